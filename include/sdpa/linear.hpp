@@ -1,0 +1,95 @@
+// sdpa::Linear, PyTorch's nn.Linear: y = x W^T + b with W stored (out_features, in_features) row-major as in
+// PyTorch, so a state_dict copies in without transposition. The product runs on the caller's memory
+// through Eigen::Map, optionally split by rows over a thread pool.
+#pragma once
+
+#define EIGEN_USE_THREADS
+#include <Eigen/Core>
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#include <type_traits>
+
+#include "sdpa/error.hpp"
+#include "sdpa/parallel.hpp"
+
+namespace sdpa {
+
+template <typename Scalar>
+class Linear {
+  static_assert(std::is_floating_point<Scalar>::value, "sdpa::Linear needs a floating-point Scalar");
+
+ public:
+  using Index = Eigen::Index;
+  using Weight = Eigen::Tensor<Scalar, 2, Eigen::RowMajor>;
+  using Bias = Eigen::Tensor<Scalar, 1, Eigen::RowMajor>;
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+  // Parameters start at zero; apply an init policy (sdpa/init.hpp) to give them values.
+  Linear(Index in_features, Index out_features) : weight_(out_features, in_features), bias_(out_features) {
+    if (in_features <= 0) detail::throw_invalid("Linear", "in_features", "positive", in_features);
+    if (out_features <= 0) detail::throw_invalid("Linear", "out_features", "positive", out_features);
+    weight_.setZero();
+    bias_.setZero();
+  }
+
+  Index in_features() const noexcept { return weight_.dimension(1); }
+  Index out_features() const noexcept { return weight_.dimension(0); }
+
+  Weight& weight() noexcept { return weight_; }
+  const Weight& weight() const noexcept { return weight_; }
+  Bias& bias() noexcept { return bias_; }
+  const Bias& bias() const noexcept { return bias_; }
+
+  // y[rows, out] = x[rows, in] W^T + b, on raw row-major memory with leading dimensions ldx and ldy
+  // (elements between consecutive rows), so that callers can write into a slice of a wider buffer.
+  void forward_rows(const Scalar* x, Index rows, Index ldx, Scalar* y, Index ldy,
+                    const Eigen::ThreadPoolDevice* device = nullptr) const {
+    using ConstMap = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+    using Map = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+    const Index in = in_features(), out = out_features();
+    const Eigen::Map<const RowMatrix> w(weight_.data(), out, in);
+    const Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>> b(bias_.data(), out);
+    // Chunks of at least 64 rows keep each GEMM large enough to run at full speed.
+    parallel_for(device, rows, std::max<Index>(64, balanced_grain(device, rows, 1)), [&](Index r0, Index r1) {
+      ConstMap xs(x + r0 * ldx, r1 - r0, in, Eigen::OuterStride<>(ldx));
+      Map ys(y + r0 * ldy, r1 - r0, out, Eigen::OuterStride<>(ldy));
+      ys.noalias() = xs * w.transpose();
+      ys.rowwise() += b;
+    });
+  }
+
+  // Applies the layer to the last dimension of a row-major tensor of any rank (PyTorch's broadcasting
+  // over leading dimensions).
+  template <typename TensorT>
+  Eigen::Tensor<Scalar, TensorT::NumDimensions, Eigen::RowMajor> operator()(
+      const TensorT& x, const Eigen::ThreadPoolDevice* device = nullptr) const {
+    constexpr int kRank = TensorT::NumDimensions;
+    static_assert(kRank >= 1, "sdpa::Linear needs a tensor of rank >= 1");
+    static_assert(static_cast<int>(TensorT::Layout) == static_cast<int>(Eigen::RowMajor),
+                  "sdpa::Linear needs a RowMajor tensor (PyTorch memory order)");
+    static_assert(std::is_same<std::remove_const_t<typename TensorT::Scalar>, Scalar>::value,
+                  "sdpa::Linear: the tensor's scalar type must be the layer's");
+    if (x.dimension(kRank - 1) != in_features()) {
+      detail::throw_invalid("Linear::operator()", "the input's last dimension", in_features(),
+                            concat_shape(x.dimensions()));
+    }
+    Eigen::array<Index, kRank> dims;
+    for (int i = 0; i < kRank; ++i) dims[i] = x.dimension(i);
+    dims[kRank - 1] = out_features();
+    Eigen::Tensor<Scalar, kRank, Eigen::RowMajor> y(dims);
+    const Index rows = in_features() == 0 ? 0 : x.size() / in_features();
+    forward_rows(x.data(), rows, in_features(), y.data(), out_features(), device);
+    return y;
+  }
+
+ private:
+  template <typename Dims>
+  static std::string concat_shape(const Dims& dims) {
+    return detail::concat(dims[dims.size() - 1], " (input shape ", detail::shape_string(dims), ")");
+  }
+
+  Weight weight_;
+  Bias bias_;
+};
+
+}  // namespace sdpa

@@ -1,0 +1,132 @@
+// Counter-based random numbers (Philox4x32-10, Salmon et al., SC'11): a pure function of (counter, key),
+// so a value depends only on what it is for, never on how many values were drawn before it. That gives
+// dropout masks that are identical whatever the tiling or the number of threads, and a small generator
+// object (`Philox`) that satisfies UniformRandomBitGenerator for the init strategies. No global state.
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace sdpa {
+
+using PhiloxCounter = std::array<std::uint32_t, 4>;
+using PhiloxKey = std::array<std::uint32_t, 2>;
+
+// The Philox4x32 bijection with 10 rounds.
+inline PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) noexcept {
+  constexpr std::uint64_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    const std::uint64_t p0 = kM0 * ctr[0];
+    const std::uint64_t p1 = kM1 * ctr[2];
+    ctr = {static_cast<std::uint32_t>(p1 >> 32) ^ ctr[1] ^ key[0], static_cast<std::uint32_t>(p1),
+           static_cast<std::uint32_t>(p0 >> 32) ^ ctr[3] ^ key[1], static_cast<std::uint32_t>(p0)};
+    key[0] += kW0;
+    key[1] += kW1;
+  }
+  return ctr;
+}
+
+inline PhiloxKey philox_key(std::uint64_t seed) noexcept {
+  return {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
+}
+
+// A UniformRandomBitGenerator over Philox4x32-10: output i of stream s under seed k is word i % 4 of
+// philox(counter = (i / 4, s), key = k). Copyable, reproducible, and cheap to split into streams.
+class Philox {
+ public:
+  using result_type = std::uint32_t;
+
+  explicit Philox(std::uint64_t seed = 0, std::uint64_t stream = 0) noexcept
+      : key_(philox_key(seed)), stream_(stream) {}
+
+  static constexpr result_type min() noexcept { return 0; }
+  static constexpr result_type max() noexcept { return std::numeric_limits<result_type>::max(); }
+
+  result_type operator()() noexcept {
+    if (used_ == 4) {
+      block_ = philox4x32_10({static_cast<std::uint32_t>(block_index_), static_cast<std::uint32_t>(block_index_ >> 32),
+                              static_cast<std::uint32_t>(stream_), static_cast<std::uint32_t>(stream_ >> 32)},
+                             key_);
+      ++block_index_;
+      used_ = 0;
+    }
+    return block_[used_++];
+  }
+
+  void discard(unsigned long long n) noexcept {
+    while (n > 0 && used_ < 4) {
+      ++used_;
+      --n;
+    }
+    block_index_ += n / 4;
+    for (unsigned long long r = n % 4; r > 0; --r) (*this)();
+  }
+
+  std::uint64_t seed() const noexcept { return key_[0] | (static_cast<std::uint64_t>(key_[1]) << 32); }
+  std::uint64_t stream() const noexcept { return stream_; }
+
+ private:
+  PhiloxKey key_;
+  std::uint64_t stream_;
+  std::uint64_t block_index_ = 0;
+  PhiloxCounter block_{};
+  int used_ = 4;
+};
+
+// Uniform double in [0, 1) with 53 random bits, from any 32-bit generator. Written out rather than
+// std::uniform_real_distribution so that a seed gives the same numbers with every standard library.
+template <typename Gen>
+double uniform_double(Gen& gen) {
+  const std::uint64_t hi = static_cast<std::uint64_t>(gen()) >> 5;  // 27 bits
+  const std::uint64_t lo = static_cast<std::uint64_t>(gen()) >> 6;  // 26 bits
+  return static_cast<double>((hi << 26) | lo) * 0x1.0p-53;
+}
+
+// Standard normal deviate (Box-Muller), portable for the same reason as uniform_double.
+template <typename Gen>
+double normal_double(Gen& gen) {
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  double u1 = uniform_double(gen);
+  while (u1 <= 0.0) u1 = uniform_double(gen);
+  const double u2 = uniform_double(gen);
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2);
+}
+
+// Which attention probabilities dropout removes. Element (b, h, q, k) of forward call `call` is dropped
+// when its 32 random bits fall below p * 2^32; the bits are word k % 4 of
+// philox(counter = (k / 4, q, b * heads + h, call), key = seed). Every kernel asks this object, so they
+// agree bit for bit on the mask.
+class DropoutSampler {
+ public:
+  DropoutSampler(std::uint64_t seed, std::uint64_t call, double p) noexcept
+      : key_(philox_key(seed)),
+        call_(static_cast<std::uint32_t>(call)),
+        threshold_(p <= 0.0 ? 0u
+                            : p >= 1.0 ? (std::uint64_t{1} << 32)
+                                       : static_cast<std::uint64_t>(std::llround(p * 4294967296.0))) {}
+
+  bool active() const noexcept { return threshold_ != 0; }
+  bool drops_everything() const noexcept { return threshold_ == (std::uint64_t{1} << 32); }
+
+  // The random words for keys 4*k4 .. 4*k4+3 of row (bh, q), where bh = b * heads + h.
+  PhiloxCounter block(std::int64_t bh, std::int64_t q, std::int64_t k4) const noexcept {
+    return philox4x32_10(
+        {static_cast<std::uint32_t>(k4), static_cast<std::uint32_t>(q), static_cast<std::uint32_t>(bh), call_}, key_);
+  }
+
+  bool dropped_bits(std::uint32_t bits) const noexcept { return bits < threshold_; }
+
+  bool dropped(std::int64_t bh, std::int64_t q, std::int64_t k) const noexcept {
+    return dropped_bits(block(bh, q, k >> 2)[static_cast<std::size_t>(k & 3)]);
+  }
+
+ private:
+  PhiloxKey key_;
+  std::uint32_t call_;
+  std::uint64_t threshold_;
+};
+
+}  // namespace sdpa

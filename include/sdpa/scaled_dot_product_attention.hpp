@@ -1,0 +1,336 @@
+// sdpa::ScaledDotProductAttention, the multi-head attention module of External-Attention-pytorch: four
+// projections (fc_q, fc_k, fc_v, fc_o), heads split head-major, softmax(q k^T / sqrt(d_k) * weights,
+// masked) with dropout, heads merged, fc_o. This header owns the parameters, the train/eval state and the
+// argument checks, and hands the attention core to a kernel in kernels/.
+#pragma once
+
+#define EIGEN_USE_THREADS
+#include <Eigen/Core>
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "sdpa/error.hpp"
+#include "sdpa/init.hpp"
+#include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/reference.hpp"
+#include "sdpa/linear.hpp"
+#include "sdpa/mask.hpp"
+#include "sdpa/parallel.hpp"
+#include "sdpa/random.hpp"
+
+namespace sdpa {
+
+// A parameter reached by its PyTorch state_dict name; T is Scalar or const Scalar.
+template <typename T>
+struct ParameterRef {
+  std::string name;
+  T* data = nullptr;
+  std::vector<Eigen::Index> shape;
+
+  Eigen::Index size() const noexcept {
+    Eigen::Index n = 1;
+    for (Eigen::Index d : shape) n *= d;
+    return n;
+  }
+};
+
+// Which attention core forward() runs. kReference is the plain path the others are tested against.
+enum class Kernel { kAuto, kReference };
+
+template <typename Scalar>
+class ScaledDotProductAttention {
+  static_assert(std::is_floating_point<Scalar>::value,
+                "sdpa::ScaledDotProductAttention needs a floating-point Scalar");
+
+ public:
+  using Index = Eigen::Index;
+  using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
+  using Mask = Eigen::Tensor<bool, 4, Eigen::RowMajor>;
+  using Weights = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>;
+  using LinearType = Linear<Scalar>;
+
+  // Seed of the weights init_weights() draws and of the dropout masks, until manual_seed() changes it.
+  static constexpr std::uint64_t kDefaultSeed = 0x5dfa0c1e2024ULL;
+
+  ScaledDotProductAttention(Index d_model, Index d_k, Index d_v, Index h, Scalar dropout = Scalar(0.1))
+      : d_model_(checked_size("d_model", d_model)),
+        d_k_(checked_size("d_k", d_k)),
+        d_v_(checked_size("d_v", d_v)),
+        h_(checked_size("h", h)),
+        dropout_(checked_dropout(dropout)),
+        fc_q_(d_model, checked_product("h * d_k", h, d_k)),
+        fc_k_(d_model, h * d_k),
+        fc_v_(d_model, checked_product("h * d_v", h, d_v)),
+        fc_o_(h * d_v, d_model) {
+    init_weights();
+  }
+
+  ScaledDotProductAttention(const ScaledDotProductAttention& other)
+      : d_model_(other.d_model_), d_k_(other.d_k_), d_v_(other.d_v_), h_(other.h_), dropout_(other.dropout_),
+        training_(other.training_), masked_rows_(other.masked_rows_), kernel_(other.kernel_),
+        seed_(other.seed_), calls_(other.calls_.load()),
+        fc_q_(other.fc_q_), fc_k_(other.fc_k_), fc_v_(other.fc_v_), fc_o_(other.fc_o_) {}
+  ScaledDotProductAttention& operator=(const ScaledDotProductAttention& other) {
+    if (this != &other) {
+      ScaledDotProductAttention copy(other);
+      swap(copy);
+    }
+    return *this;
+  }
+  ScaledDotProductAttention(ScaledDotProductAttention&& other) noexcept : ScaledDotProductAttention(1, 1, 1, 1, 0) {
+    swap(other);
+  }
+  ScaledDotProductAttention& operator=(ScaledDotProductAttention&& other) noexcept {
+    swap(other);
+    return *this;
+  }
+
+  // The original's init: linear weights ~ N(0, 0.001), biases 0, drawn from a Philox generator keyed by
+  // the module's seed (one stream per parameter, so the draw does not depend on the order of layers).
+  void init_weights() { init_weights(init::ExternalAttentionPolicy{}); }
+
+  template <typename Policy>
+  void init_weights(const Policy& policy) {
+    LinearType* layers[4] = {&fc_q_, &fc_k_, &fc_v_, &fc_o_};
+    for (int i = 0; i < 4; ++i) {
+      Philox gen(seed_, static_cast<std::uint64_t>(i));
+      policy.linear(layers[i]->weight(), layers[i]->bias(), gen);
+    }
+  }
+
+  template <typename Policy, typename Gen>
+  void init_weights(const Policy& policy, Gen& gen) {
+    for (LinearType* layer : {&fc_q_, &fc_k_, &fc_v_, &fc_o_}) policy.linear(layer->weight(), layer->bias(), gen);
+  }
+
+  // queries (batch, nq, d_model), keys and values (batch, nk, d_model): Eigen::Tensor<Scalar, 3, RowMajor>
+  // or a TensorMap of that layout (read in place). Returns (batch, nq, d_model).
+  template <typename Q, typename K, typename V>
+  Tensor3 forward(const Q& queries, const K& keys, const V& values, const Mask* attention_mask = nullptr,
+                  const Weights* attention_weights = nullptr,
+                  const Eigen::ThreadPoolDevice* device = nullptr) const {
+    check_input_type<Q>();
+    check_input_type<K>();
+    check_input_type<V>();
+    return forward_impl(View{queries.data(), dims_of(queries)}, View{keys.data(), dims_of(keys)},
+                        View{values.data(), dims_of(values)}, attention_mask, attention_weights, device);
+  }
+
+  template <typename Q, typename K, typename V>
+  Tensor3 operator()(const Q& queries, const K& keys, const V& values, const Mask* attention_mask = nullptr,
+                     const Weights* attention_weights = nullptr,
+                     const Eigen::ThreadPoolDevice* device = nullptr) const {
+    return forward(queries, keys, values, attention_mask, attention_weights, device);
+  }
+
+  void train(bool on = true) noexcept { training_ = on; }
+  void eval() noexcept { training_ = false; }
+  bool is_training() const noexcept { return training_; }
+
+  // Seeds this module's dropout and restarts its call counter; also the seed of later init_weights().
+  void manual_seed(std::uint64_t seed) noexcept {
+    seed_ = seed;
+    calls_.store(0);
+  }
+  std::uint64_t seed() const noexcept { return seed_; }
+
+  void set_masked_rows(MaskedRows policy) noexcept { masked_rows_ = policy; }
+  MaskedRows masked_rows() const noexcept { return masked_rows_; }
+
+  void set_kernel(Kernel kernel) noexcept { kernel_ = kernel; }
+  Kernel kernel() const noexcept { return kernel_; }
+
+  Scalar dropout() const noexcept { return dropout_; }
+  void set_dropout(Scalar p) { dropout_ = checked_dropout(p); }
+
+  Index d_model() const noexcept { return d_model_; }
+  Index d_k() const noexcept { return d_k_; }
+  Index d_v() const noexcept { return d_v_; }
+  Index h() const noexcept { return h_; }
+
+  LinearType& fc_q() noexcept { return fc_q_; }
+  LinearType& fc_k() noexcept { return fc_k_; }
+  LinearType& fc_v() noexcept { return fc_v_; }
+  LinearType& fc_o() noexcept { return fc_o_; }
+  const LinearType& fc_q() const noexcept { return fc_q_; }
+  const LinearType& fc_k() const noexcept { return fc_k_; }
+  const LinearType& fc_v() const noexcept { return fc_v_; }
+  const LinearType& fc_o() const noexcept { return fc_o_; }
+
+  // The parameters in state_dict order, by their PyTorch names.
+  std::vector<ParameterRef<Scalar>> named_parameters() { return collect<Scalar>(*this); }
+  std::vector<ParameterRef<const Scalar>> named_parameters() const { return collect<const Scalar>(*this); }
+
+  ParameterRef<Scalar> parameter(const std::string& name) { return find(named_parameters(), name); }
+  ParameterRef<const Scalar> parameter(const std::string& name) const { return find(named_parameters(), name); }
+
+  void swap(ScaledDotProductAttention& other) noexcept {
+    using std::swap;
+    swap(d_model_, other.d_model_);
+    swap(d_k_, other.d_k_);
+    swap(d_v_, other.d_v_);
+    swap(h_, other.h_);
+    swap(dropout_, other.dropout_);
+    swap(training_, other.training_);
+    swap(masked_rows_, other.masked_rows_);
+    swap(kernel_, other.kernel_);
+    swap(seed_, other.seed_);
+    const std::uint64_t calls = calls_.load();
+    calls_.store(other.calls_.load());
+    other.calls_.store(calls);
+    swap(fc_q_, other.fc_q_);
+    swap(fc_k_, other.fc_k_);
+    swap(fc_v_, other.fc_v_);
+    swap(fc_o_, other.fc_o_);
+  }
+
+ private:
+  struct View {
+    const Scalar* data;
+    std::array<Index, 3> dims;
+  };
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+  template <typename T>
+  static void check_input_type() {
+    static_assert(T::NumDimensions == 3, "sdpa: queries, keys and values must be rank-3 (batch, seq, d_model)");
+    static_assert(static_cast<int>(T::Layout) == static_cast<int>(Eigen::RowMajor),
+                  "sdpa: inputs must be RowMajor (PyTorch memory order)");
+    static_assert(std::is_same<std::remove_const_t<typename T::Scalar>, Scalar>::value,
+                  "sdpa: the inputs' scalar type must be the module's");
+  }
+
+  template <typename T>
+  static std::array<Index, 3> dims_of(const T& t) {
+    return {t.dimension(0), t.dimension(1), t.dimension(2)};
+  }
+
+  static Index checked_size(const char* name, Index value) {
+    if (value <= 0) detail::throw_invalid("ScaledDotProductAttention", name, "positive", value);
+    return value;
+  }
+
+  static Index checked_product(const char* name, Index a, Index b) {
+    if (a > 0 && b > 0 && a > std::numeric_limits<Index>::max() / b)
+      detail::throw_invalid("ScaledDotProductAttention", name, "representable as Eigen::Index",
+                            detail::concat(a, " * ", b));
+    return a * b;
+  }
+
+  static Scalar checked_dropout(Scalar p) {
+    if (!(std::isfinite(p) && p >= Scalar(0) && p <= Scalar(1)))
+      detail::throw_invalid("ScaledDotProductAttention", "dropout", "a finite probability in [0, 1]", p);
+    return p;
+  }
+
+  template <typename T, typename Self>
+  static std::vector<ParameterRef<T>> collect(Self& self) {
+    std::vector<ParameterRef<T>> out;
+    const char* names[4] = {"fc_q", "fc_k", "fc_v", "fc_o"};
+    auto* layers = std::array<decltype(&self.fc_q_), 4>{&self.fc_q_, &self.fc_k_, &self.fc_v_, &self.fc_o_}.data();
+    for (int i = 0; i < 4; ++i) {
+      auto& layer = *layers[i];
+      out.push_back({std::string(names[i]) + ".weight", layer.weight().data(),
+                     {layer.weight().dimension(0), layer.weight().dimension(1)}});
+      out.push_back({std::string(names[i]) + ".bias", layer.bias().data(), {layer.bias().dimension(0)}});
+    }
+    return out;
+  }
+
+  template <typename T>
+  static ParameterRef<T> find(std::vector<ParameterRef<T>> params, const std::string& name) {
+    std::string known;
+    for (auto& p : params) {
+      if (p.name == name) return p;
+      known += (known.empty() ? "" : ", ") + p.name;
+    }
+    detail::throw_invalid("ScaledDotProductAttention::parameter", "name", detail::concat("one of ", known),
+                          detail::concat('"', name, '"'));
+  }
+
+  void check_inputs(const View& q, const View& k, const View& v) const {
+    const char* where = "ScaledDotProductAttention::forward";
+    const char* names[3] = {"queries", "keys", "values"};
+    const View* views[3] = {&q, &k, &v};
+    for (int i = 0; i < 3; ++i) {
+      if (views[i]->dims[2] != d_model_)
+        detail::throw_invalid(where, detail::concat(names[i], " dimension 2 (d_model)"), d_model_,
+                              detail::concat(views[i]->dims[2], " (", names[i], " shape ",
+                                             detail::shape_string(views[i]->dims), ")"));
+    }
+    for (int i = 1; i < 3; ++i) {
+      if (views[i]->dims[0] != q.dims[0])
+        detail::throw_invalid(where, detail::concat(names[i], " dimension 0 (batch)"),
+                              detail::concat(q.dims[0], ", the batch size of queries"),
+                              detail::concat(views[i]->dims[0], " (", names[i], " shape ",
+                                             detail::shape_string(views[i]->dims), ")"));
+    }
+    if (v.dims[1] != k.dims[1])
+      detail::throw_invalid(where, "values dimension 1 (sequence length)",
+                            detail::concat(k.dims[1], ", the length of keys"),
+                            detail::concat(v.dims[1], " (values shape ", detail::shape_string(v.dims), ")"));
+    for (int i = 0; i < 3; ++i) {
+      if (views[i]->data == nullptr && views[i]->dims[0] * views[i]->dims[1] * views[i]->dims[2] != 0)
+        detail::throw_invalid(where, names[i], "a tensor with data", "a null pointer");
+    }
+  }
+
+  Tensor3 forward_impl(const View& qv, const View& kv, const View& vv, const Mask* mask, const Weights* weights,
+                       const Eigen::ThreadPoolDevice* device) const {
+    check_inputs(qv, kv, vv);
+    const Index batch = qv.dims[0], nq = qv.dims[1], nk = kv.dims[1];
+    const std::array<Index, 4> full{batch, h_, nq, nk};
+    const char* where = "ScaledDotProductAttention::forward";
+    kernels::AttentionProblem<Scalar> p;
+    p.mask = make_broadcast_view(mask, full, where, "attention_mask");
+    p.weights = make_broadcast_view(weights, full, where, "attention_weights");
+
+    Tensor3 result(batch, nq, d_model_);
+    if (result.size() == 0) return result;
+
+    const Index hk = h_ * d_k_, hv = h_ * d_v_;
+    RowMatrix qp(batch * nq, hk), kp(batch * nk, hk), vp(batch * nk, hv), att(batch * nq, hv);
+    fc_q_.forward_rows(qv.data, batch * nq, d_model_, qp.data(), hk, device);
+    fc_k_.forward_rows(kv.data, batch * nk, d_model_, kp.data(), hk, device);
+    fc_v_.forward_rows(vv.data, batch * nk, d_model_, vp.data(), hv, device);
+
+    p.batch = batch;
+    p.heads = h_;
+    p.nq = nq;
+    p.nk = nk;
+    p.d_k = d_k_;
+    p.d_v = d_v_;
+    p.q = {qp.data(), nq * hk, hk, d_k_};
+    p.k = {kp.data(), nk * hk, hk, d_k_};
+    p.v = {vp.data(), nk * hv, hv, d_v_};
+    p.out = {att.data(), nq * hv, hv, d_v_};
+    p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
+    p.masked_rows = masked_rows_;
+    if (training_ && dropout_ > Scalar(0)) {
+      p.dropout = true;
+      p.sampler = DropoutSampler(seed_, calls_.fetch_add(1), static_cast<double>(dropout_));
+      p.keep_scale = dropout_ >= Scalar(1) ? Scalar(0) : Scalar(1) / (Scalar(1) - dropout_);
+    }
+    kernels::reference_attention(p, device);
+
+    fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
+    return result;
+  }
+
+  Index d_model_, d_k_, d_v_, h_;
+  Scalar dropout_;
+  bool training_ = true;
+  MaskedRows masked_rows_ = MaskedRows::kZero;
+  Kernel kernel_ = Kernel::kAuto;
+  std::uint64_t seed_ = kDefaultSeed;
+  mutable std::atomic<std::uint64_t> calls_{0};
+  LinearType fc_q_, fc_k_, fc_v_, fc_o_;
+};
+
+}  // namespace sdpa

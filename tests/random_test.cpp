@@ -1,0 +1,130 @@
+// Tests of sdpa/random.hpp: Philox4x32-10 against the Random123 known-answer vectors, the generator's
+// stream/discard semantics, and the dropout sampler's rate and independence from evaluation order.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include "sdpa/random.hpp"
+
+namespace {
+
+// Known-answer tests from Random123's kat_vectors (philox4x32 10 rounds), published with the algorithm.
+TEST(Philox, KnownAnswerZero) {
+  const sdpa::PhiloxCounter out = sdpa::philox4x32_10({0, 0, 0, 0}, {0, 0});
+  EXPECT_EQ(out[0], 0x6627e8d5u);
+  EXPECT_EQ(out[1], 0xe169c58du);
+  EXPECT_EQ(out[2], 0xbc57ac4cu);
+  EXPECT_EQ(out[3], 0x9b00dbd8u);
+}
+
+TEST(Philox, KnownAnswerOnes) {
+  const sdpa::PhiloxCounter out =
+      sdpa::philox4x32_10({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu});
+  EXPECT_EQ(out[0], 0x408f276du);
+  EXPECT_EQ(out[1], 0x41c83b0eu);
+  EXPECT_EQ(out[2], 0xa20bc7c6u);
+  EXPECT_EQ(out[3], 0x6d5451fdu);
+}
+
+TEST(Philox, KnownAnswerPi) {
+  const sdpa::PhiloxCounter out =
+      sdpa::philox4x32_10({0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, {0xa4093822u, 0x299f31d0u});
+  EXPECT_EQ(out[0], 0xd16cfe09u);
+  EXPECT_EQ(out[1], 0x94fdccebu);
+  EXPECT_EQ(out[2], 0x5001e420u);
+  EXPECT_EQ(out[3], 0x24126ea1u);
+}
+
+TEST(Philox, GeneratorIsReproducibleAndSeedDependent) {
+  sdpa::Philox a(42), b(42), c(43), d(42, 1);
+  bool differs_seed = false, differs_stream = false;
+  for (int i = 0; i < 64; ++i) {
+    const auto x = a();
+    EXPECT_EQ(x, b());
+    differs_seed |= x != c();
+    differs_stream |= x != d();
+  }
+  EXPECT_TRUE(differs_seed);
+  EXPECT_TRUE(differs_stream);
+}
+
+TEST(Philox, DiscardSkipsExactly) {
+  for (unsigned long long skip : {0ull, 1ull, 3ull, 4ull, 5ull, 13ull, 100ull}) {
+    sdpa::Philox a(7), b(7);
+    b();  // start mid-block too
+    a();
+    for (unsigned long long i = 0; i < skip; ++i) a();
+    b.discard(skip);
+    for (int i = 0; i < 9; ++i) EXPECT_EQ(a(), b()) << "skip " << skip;
+  }
+}
+
+TEST(Philox, UniformAndNormalMoments) {
+  sdpa::Philox gen(1);
+  const int n = 200000;
+  double su = 0, sn = 0, sn2 = 0, umin = 1, umax = 0;
+  for (int i = 0; i < n; ++i) {
+    const double u = sdpa::uniform_double(gen);
+    umin = std::min(umin, u);
+    umax = std::max(umax, u);
+    su += u;
+    const double z = sdpa::normal_double(gen);
+    sn += z;
+    sn2 += z * z;
+  }
+  EXPECT_GE(umin, 0.0);
+  EXPECT_LT(umax, 1.0);
+  EXPECT_NEAR(su / n, 0.5, 5 * std::sqrt(1.0 / 12 / n));
+  EXPECT_NEAR(sn / n, 0.0, 5 / std::sqrt(n));
+  EXPECT_NEAR(sn2 / n, 1.0, 0.02);
+}
+
+TEST(DropoutSampler, RateMatchesProbability) {
+  for (double p : {0.1, 0.5, 0.9}) {
+    sdpa::DropoutSampler s(123, 0, p);
+    const int n = 100000;
+    int dropped = 0;
+    for (int k = 0; k < n; ++k) dropped += s.dropped(3, 5, k);
+    EXPECT_NEAR(static_cast<double>(dropped) / n, p, 5 * std::sqrt(p * (1 - p) / n)) << "p " << p;
+  }
+}
+
+TEST(DropoutSampler, ZeroAndOneAreExact) {
+  sdpa::DropoutSampler none(9, 0, 0.0), all(9, 0, 1.0);
+  EXPECT_FALSE(none.active());
+  EXPECT_TRUE(all.drops_everything());
+  for (int k = 0; k < 4096; ++k) {
+    EXPECT_FALSE(none.dropped(0, 0, k));
+    EXPECT_TRUE(all.dropped(0, 0, k));
+  }
+}
+
+TEST(DropoutSampler, DependsOnEveryCoordinateAndTheCall) {
+  sdpa::DropoutSampler s(5, 0, 0.5), next_call(5, 1, 0.5), other_seed(6, 0, 0.5);
+  std::set<std::vector<bool>> rows;
+  for (int bh = 0; bh < 3; ++bh)
+    for (int q = 0; q < 3; ++q) {
+      std::vector<bool> row;
+      for (int k = 0; k < 64; ++k) row.push_back(s.dropped(bh, q, k));
+      rows.insert(row);
+    }
+  EXPECT_EQ(rows.size(), 9u);
+  int same_call = 0, same_seed = 0;
+  for (int k = 0; k < 256; ++k) {
+    same_call += s.dropped(0, 0, k) == next_call.dropped(0, 0, k);
+    same_seed += s.dropped(0, 0, k) == other_seed.dropped(0, 0, k);
+  }
+  EXPECT_LT(same_call, 200);
+  EXPECT_LT(same_seed, 200);
+}
+
+TEST(DropoutSampler, BlockAgreesWithElementwise) {
+  sdpa::DropoutSampler s(77, 3, 0.3);
+  for (int k4 = 0; k4 < 16; ++k4) {
+    const auto words = s.block(2, 9, k4);
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(s.dropped_bits(words[j]), s.dropped(2, 9, 4 * k4 + j));
+  }
+}
+
+}  // namespace
