@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "sdpa/error.hpp"
+#include "sdpa/kernels/projection.hpp"
 #include "sdpa/parallel.hpp"
 
 namespace sdpa {
@@ -22,7 +23,6 @@ class Linear {
   using Index = Eigen::Index;
   using Weight = Eigen::Tensor<Scalar, 2, Eigen::RowMajor>;
   using Bias = Eigen::Tensor<Scalar, 1, Eigen::RowMajor>;
-  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
   // Parameters start at zero; apply an init policy (sdpa/init.hpp) to give them values.
   Linear(Index in_features, Index out_features) : weight_(out_features, in_features), bias_(out_features) {
@@ -44,17 +44,10 @@ class Linear {
   // (elements between consecutive rows), so that callers can write into a slice of a wider buffer.
   void forward_rows(const Scalar* x, Index rows, Index ldx, Scalar* y, Index ldy,
                     const Eigen::ThreadPoolDevice* device = nullptr) const {
-    using ConstMap = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
-    using Map = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
     const Index in = in_features(), out = out_features();
-    const Eigen::Map<const RowMatrix> w(weight_.data(), out, in);
-    const Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>> b(bias_.data(), out);
     // Chunks of at least 64 rows keep each GEMM large enough to run at full speed.
     parallel_for(device, rows, std::max<Index>(64, balanced_grain(device, rows, 1)), [&](Index r0, Index r1) {
-      ConstMap xs(x + r0 * ldx, r1 - r0, in, Eigen::OuterStride<>(ldx));
-      Map ys(y + r0 * ldy, r1 - r0, out, Eigen::OuterStride<>(ldy));
-      ys.noalias() = xs * w.transpose();
-      ys.rowwise() += b;
+      kernels::gemm_bias_rows(x + r0 * ldx, r1 - r0, in, ldx, weight_.data(), out, bias_.data(), y + r0 * ldy, ldy);
     });
   }
 

@@ -18,6 +18,7 @@
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/projection.hpp"
 #include "sdpa/kernels/reference.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
@@ -281,6 +282,57 @@ class ScaledDotProductAttention {
     }
   }
 
+  // The projected q, k, v. Inputs that are the same tensor share one pass and one buffer whose rows
+  // hold q | k | v side by side; the kernel reads each head in place through the row strides.
+  struct Projected {
+    RowMatrix qkv, kv_only;
+    const Scalar *q = nullptr, *k = nullptr, *v = nullptr;
+    Index ldq = 0, ldk = 0, ldv = 0;
+  };
+
+  Projected project(const View& qv, const View& kv, const View& vv, const Eigen::ThreadPoolDevice* device) const {
+    using Target = kernels::ProjectionTarget<Scalar>;
+    const Index hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index rows_q = qv.dims[0] * qv.dims[1], rows_k = kv.dims[0] * kv.dims[1];
+    const bool kv_same = kv.data == vv.data && kv.dims == vv.dims;
+    const bool qk_same = kv_same && qv.data == kv.data && qv.dims == kv.dims;
+    auto target = [](const LinearType& layer, Scalar* y, Index ldy) {
+      return Target{layer.weight().data(), layer.bias().data(), layer.out_features(), y, ldy};
+    };
+    Projected r;
+    if (qk_same) {
+      const Index ld = 2 * hk + hv;
+      r.qkv.resize(rows_q, ld);
+      Scalar* base = r.qkv.data();
+      kernels::project_rows<Scalar>(qv.data, rows_q, d_model_,
+                                    {target(fc_q_, base, ld), target(fc_k_, base + hk, ld), target(fc_v_, base + 2 * hk, ld)},
+                                    device);
+      r.q = base;
+      r.k = base + hk;
+      r.v = base + 2 * hk;
+      r.ldq = r.ldk = r.ldv = ld;
+      return r;
+    }
+    r.qkv.resize(rows_q, hk);
+    kernels::project_rows<Scalar>(qv.data, rows_q, d_model_, {target(fc_q_, r.qkv.data(), hk)}, device);
+    r.q = r.qkv.data();
+    r.ldq = hk;
+    r.kv_only.resize(rows_k, hk + hv);
+    Scalar* base = r.kv_only.data();
+    const Index ld = hk + hv;
+    if (kv_same) {
+      kernels::project_rows<Scalar>(kv.data, rows_k, d_model_, {target(fc_k_, base, ld), target(fc_v_, base + hk, ld)},
+                                    device);
+    } else {
+      kernels::project_rows<Scalar>(kv.data, rows_k, d_model_, {target(fc_k_, base, ld)}, device);
+      kernels::project_rows<Scalar>(vv.data, rows_k, d_model_, {target(fc_v_, base + hk, ld)}, device);
+    }
+    r.k = base;
+    r.v = base + hk;
+    r.ldk = r.ldv = ld;
+    return r;
+  }
+
   Tensor3 forward_impl(const View& qv, const View& kv, const View& vv, const Mask* mask, const Weights* weights,
                        const Eigen::ThreadPoolDevice* device) const {
     check_inputs(qv, kv, vv);
@@ -294,11 +346,8 @@ class ScaledDotProductAttention {
     Tensor3 result(batch, nq, d_model_);
     if (result.size() == 0) return result;
 
-    const Index hk = h_ * d_k_, hv = h_ * d_v_;
-    RowMatrix qp(batch * nq, hk), kp(batch * nk, hk), vp(batch * nk, hv), att(batch * nq, hv);
-    fc_q_.forward_rows(qv.data, batch * nq, d_model_, qp.data(), hk, device);
-    fc_k_.forward_rows(kv.data, batch * nk, d_model_, kp.data(), hk, device);
-    fc_v_.forward_rows(vv.data, batch * nk, d_model_, vp.data(), hv, device);
+    const Index hv = h_ * d_v_;
+    Projected proj = project(qv, kv, vv, device);
 
     p.batch = batch;
     p.heads = h_;
@@ -306,9 +355,10 @@ class ScaledDotProductAttention {
     p.nk = nk;
     p.d_k = d_k_;
     p.d_v = d_v_;
-    p.q = {qp.data(), nq * hk, hk, d_k_};
-    p.k = {kp.data(), nk * hk, hk, d_k_};
-    p.v = {vp.data(), nk * hv, hv, d_v_};
+    p.q = {proj.q, nq * proj.ldq, proj.ldq, d_k_};
+    p.k = {proj.k, nk * proj.ldk, proj.ldk, d_k_};
+    p.v = {proj.v, nk * proj.ldv, proj.ldv, d_v_};
+    RowMatrix att(batch * nq, hv);
     p.out = {att.data(), nq * hv, hv, d_v_};
     p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
     p.masked_rows = masked_rows_;

@@ -1,0 +1,76 @@
+// The projections as matrix products on the callers' memory: y = x W^T + b over row-major buffers with
+// leading dimensions, so that several layers can write side by side into one fused buffer (q | k | v) that
+// the attention kernel then reads in place. Eigen's GEMM by default; with SDPA_USE_ONEDNN (the opt-in
+// sdpa::onednn target) float products go to oneDNN's dnnl_sgemm, pinned to the calling thread so that
+// sdpa's own work split stays the only threading.
+#pragma once
+
+#define EIGEN_USE_THREADS
+#include <Eigen/Core>
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#include <algorithm>
+#include <vector>
+
+#include "sdpa/parallel.hpp"
+
+#ifdef SDPA_USE_ONEDNN
+#include <dnnl.h>
+#include <omp.h>
+#endif
+
+namespace sdpa {
+namespace kernels {
+
+// y[rows, out] (leading dimension ldy) = x[rows, in] (ldx) * w[out, in]^T + b[out], on this thread.
+template <typename Scalar>
+void gemm_bias_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const Scalar* w,
+                    Eigen::Index out, const Scalar* b, Scalar* y, Eigen::Index ldy) {
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Stride = Eigen::OuterStride<>;
+  Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> xs(x, rows, in, Stride(ldx));
+  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> ys(y, rows, out, Stride(ldy));
+  const Eigen::Map<const RowMatrix> ws(w, out, in);
+  ys.noalias() = xs * ws.transpose();
+  ys.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(b, out);
+}
+
+#ifdef SDPA_USE_ONEDNN
+inline void gemm_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const float* w,
+                           Eigen::Index out, const float* b, float* y, Eigen::Index ldy) {
+  if (rows == 0) return;
+  for (Eigen::Index r = 0; r < rows; ++r) std::copy(b, b + out, y + r * ldy);
+  // dnnl_sgemm would open an OpenMP team of all cores; one thread here keeps sdpa's split in charge.
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  dnnl_sgemm('N', 'T', rows, out, in, 1.0f, x, ldx, w, in, 1.0f, y, ldy);
+  omp_set_num_threads(threads);
+}
+#endif
+
+// One layer's share of a projection pass: rows of the pass's input times this layer into y (ldy).
+template <typename Scalar>
+struct ProjectionTarget {
+  const Scalar* weight;  // (out, in) row-major
+  const Scalar* bias;    // (out)
+  Eigen::Index out;
+  Scalar* y;
+  Eigen::Index ldy;
+};
+
+// Applies every target to the same input rows in one pass over row blocks, so each block of x is read
+// from memory once and reused from cache by all layers (the fused QKV projection).
+template <typename Scalar>
+void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std::vector<ProjectionTarget<Scalar>>& targets,
+                  const Eigen::ThreadPoolDevice* device) {
+  // Blocks of at least 64 rows keep each product large enough for the GEMM to run at full speed; with
+  // a device, one block per worker keeps the packed weights hot in each core's cache.
+  const Eigen::Index grain = std::max<Eigen::Index>(64, balanced_grain(device, rows, 1));
+  parallel_for(device, rows, grain, [&](Eigen::Index r0, Eigen::Index r1) {
+    for (const auto& t : targets)
+      gemm_bias_rows(x + r0 * in, r1 - r0, in, in, t.weight, t.out, t.bias, t.y + r0 * t.ldy, t.ldy);
+  });
+}
+
+}  // namespace kernels
+}  // namespace sdpa
