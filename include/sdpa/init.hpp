@@ -11,8 +11,6 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
-#include <cstdint>
-#include <limits>
 #include <type_traits>
 #include <unsupported/Eigen/CXX11/Tensor>
 
@@ -35,7 +33,8 @@ inline Fans compute_fans_for(const char* where, const Eigen::Index* dims, int ra
   if (dims == nullptr) throw_invalid(where, "dims", "non-null", "null");
   Eigen::Index receptive = 1;
   for (int i = 0; i < rank; ++i) {
-    if (dims[i] < 0) throw_invalid(where, "every dimension", "non-negative", shape_string(dims, static_cast<std::size_t>(rank)));
+    if (dims[i] < 0)
+      throw_invalid(where, "every dimension", "non-negative", shape_string(dims, static_cast<std::size_t>(rank)));
     if (i >= 2) receptive *= dims[i];
   }
   return {dims[1] * receptive, dims[0] * receptive};
@@ -130,7 +129,9 @@ inline void check_range(const char* where, double a, double b) {
 }  // namespace detail
 
 // Throws std::invalid_argument when rank < 2: a vector has no (out, in) pair, and PyTorch refuses it too.
-inline Fans compute_fans(const Eigen::Index* dims, int rank) { return detail::compute_fans_for("compute_fans", dims, rank); }
+inline Fans compute_fans(const Eigen::Index* dims, int rank) {
+  return detail::compute_fans_for("compute_fans", dims, rank);
+}
 
 template <typename TensorT>
 Fans compute_fans(const TensorT& t) {

@@ -16,7 +16,10 @@
 
 #ifdef SDPA_USE_ONEDNN
 #include <dnnl.h>
-#include <omp.h>
+// Declared here rather than through <omp.h> so that users need no -fopenmp (which would also switch on
+// Eigen's own OpenMP threading); the symbols come from the OpenMP runtime oneDNN links.
+extern "C" int omp_get_max_threads(void);
+extern "C" void omp_set_num_threads(int);
 #endif
 
 namespace sdpa {
