@@ -234,7 +234,7 @@ class ScaledDotProductAttention {
   static std::vector<ParameterRef<T>> collect(Self& self) {
     std::vector<ParameterRef<T>> out;
     const char* names[4] = {"fc_q", "fc_k", "fc_v", "fc_o"};
-    auto* layers = std::array<decltype(&self.fc_q_), 4>{&self.fc_q_, &self.fc_k_, &self.fc_v_, &self.fc_o_}.data();
+    const std::array<decltype(&self.fc_q_), 4> layers{&self.fc_q_, &self.fc_k_, &self.fc_v_, &self.fc_o_};
     for (int i = 0; i < 4; ++i) {
       auto& layer = *layers[i];
       out.push_back({std::string(names[i]) + ".weight", layer.weight().data(),
