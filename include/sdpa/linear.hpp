@@ -7,6 +7,7 @@
 #include <Eigen/Core>
 #include <unsupported/Eigen/CXX11/Tensor>
 
+#include <limits>
 #include <type_traits>
 
 #include "sdpa/error.hpp"
@@ -25,9 +26,8 @@ class Linear {
   using Bias = Eigen::Tensor<Scalar, 1, Eigen::RowMajor>;
 
   // Parameters start at zero; apply an init policy (sdpa/init.hpp) to give them values.
-  Linear(Index in_features, Index out_features) : weight_(out_features, in_features), bias_(out_features) {
-    if (in_features <= 0) detail::throw_invalid("Linear", "in_features", "positive", in_features);
-    if (out_features <= 0) detail::throw_invalid("Linear", "out_features", "positive", out_features);
+  Linear(Index in_features, Index out_features)
+      : weight_(checked_features(in_features, out_features), in_features), bias_(out_features) {
     weight_.setZero();
     bias_.setZero();
   }
@@ -76,6 +76,16 @@ class Linear {
   }
 
  private:
+  // Runs before any allocation: sizes must be positive and their product representable.
+  static Index checked_features(Index in_features, Index out_features) {
+    if (in_features <= 0) detail::throw_invalid("Linear", "in_features", "positive", in_features);
+    if (out_features <= 0) detail::throw_invalid("Linear", "out_features", "positive", out_features);
+    if (in_features > std::numeric_limits<Index>::max() / out_features)
+      detail::throw_invalid("Linear", "in_features * out_features", "representable as Eigen::Index",
+                            detail::concat(in_features, " * ", out_features));
+    return out_features;
+  }
+
   template <typename Dims>
   static std::string concat_shape(const Dims& dims) {
     return detail::concat(dims[dims.size() - 1], " (input shape ", detail::shape_string(dims), ")");

@@ -65,9 +65,11 @@ class ScaledDotProductAttention {
         d_v_(checked_size("d_v", d_v)),
         h_(checked_size("h", h)),
         dropout_(checked_dropout(dropout)),
-        fc_q_(d_model, checked_product("h * d_k", h, d_k)),
+        fc_q_(d_model, checked_product("d_model * h * d_k (weight count of fc_q)", d_model,
+                                       checked_product("h * d_k", h, d_k)) / d_model),
         fc_k_(d_model, h * d_k),
-        fc_v_(d_model, checked_product("h * d_v", h, d_v)),
+        fc_v_(d_model, checked_product("d_model * h * d_v (weight count of fc_v)", d_model,
+                                       checked_product("h * d_v", h, d_v)) / d_model),
         fc_o_(h * d_v, d_model) {
     init_weights();
   }

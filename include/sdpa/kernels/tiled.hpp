@@ -76,6 +76,72 @@ struct TileStats {
 
 namespace detail {
 
+// x[j] = exp(x[j] - shift) for j < n, returning the sum of the results: the softmax's one pass over a
+// row of scores. Eigen's vectorised exp is the portable version; it clamps its argument, so exp(-inf) comes
+// out as a tiny positive number rather than 0, and the caller zeroes masked entries again
+// (kExpZeroesMasked says whether it must).
+template <typename Scalar>
+struct ShiftedExp {
+  static constexpr bool kExpZeroesMasked = false;
+  static Scalar run(Scalar* x, Eigen::Index n, Scalar shift) noexcept {
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
+    a = (a - shift).exp();
+    return a.sum();
+  }
+};
+
+#if defined(__AVX512F__)
+// With AVX-512 the float exp is the softmax's bottleneck, and the instruction set offers a cheaper one
+// than Eigen's generic code: Cephes' polynomial (as Eigen uses, about 1 ulp) with vscalefps for the power
+// of two, fused with the shift and the sum, and exactly 0 for arguments below -87.3 (masked -inf included)
+// so that masked keys need no second pass.
+template <>
+struct ShiftedExp<float> {
+  static constexpr bool kExpZeroesMasked = true;
+  static float run(float* x, Eigen::Index n, float shift) noexcept {
+    const __m512 vshift = _mm512_set1_ps(shift);
+    // Two sums so that consecutive packets do not wait on one another's addition.
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    Eigen::Index j = 0;
+    for (; j + 32 <= n; j += 32) {
+      const __m512 y0 = exp_shifted(_mm512_loadu_ps(x + j), vshift, __mmask16(0xFFFF));
+      const __m512 y1 = exp_shifted(_mm512_loadu_ps(x + j + 16), vshift, __mmask16(0xFFFF));
+      _mm512_storeu_ps(x + j, y0);
+      _mm512_storeu_ps(x + j + 16, y1);
+      sum0 = _mm512_add_ps(sum0, y0);
+      sum1 = _mm512_add_ps(sum1, y1);
+    }
+    for (; j < n; j += 16) {
+      const __mmask16 lanes = n - j >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+      const __m512 y = exp_shifted(_mm512_maskz_loadu_ps(lanes, x + j), vshift, lanes);
+      _mm512_mask_storeu_ps(x + j, lanes, y);
+      sum0 = _mm512_add_ps(sum0, y);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+  }
+
+ private:
+  // exp(v - shift) in the lanes of `lanes`, 0 in the others.
+  static __m512 exp_shifted(__m512 v, __m512 shift, __mmask16 lanes) noexcept {
+    const __m512 t = _mm512_sub_ps(v, shift);
+    // Zero below -87.33, where exp falls under FLT_MIN; -inf (masked) included, whose NaN from the
+    // reduction below is dropped here. A NaN argument stays NaN, as the reference's exp gives.
+    lanes = _mm512_mask_cmp_ps_mask(lanes, t, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), t);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(lanes, y, k);
+  }
+};
+#endif
+
 // One worker's scratch and the per-(batch, head, query block) loop. The scratch is plain std::vector
 // storage behind Eigen Maps, sized once per chunk of work; the tile loop allocates nothing.
 template <typename Scalar>
@@ -85,6 +151,9 @@ class TiledWorker {
   using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using ConstRows = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
   using Rows = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using ColMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+  using ConstCols = Eigen::Map<const ColMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using Cols = Eigen::Map<ColMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
   using RowArray = Eigen::Array<Scalar, 1, Eigen::Dynamic>;
 
   TiledWorker(const AttentionProblem<Scalar>& p, Index block_q, Index block_k)
@@ -95,15 +164,43 @@ class TiledWorker {
         s_stride_((block_k + kLine - 1) / kLine * kLine),
         s_buf_(static_cast<std::size_t>(block_q * s_stride_ + kLine)),
         o_buf_(static_cast<std::size_t>(block_q * p.d_v + kLine)),
+        q_buf_(static_cast<std::size_t>(block_q * p.d_k + kLine)),
         m_(static_cast<std::size_t>(block_q)),
         l_(static_cast<std::size_t>(block_q)),
         state_(static_cast<std::size_t>(block_q)),
         first_(static_cast<std::size_t>(block_q)),
         last_(static_cast<std::size_t>(block_q)) {}
 
+  // Copies the k and v rows of (b, h) into contiguous storage that run() then reads instead of p.k/p.v:
+  // k as one column-major (block_k x d_k) panel per key block, v row-major. Rows of one head lie
+  // row_stride apart (heads * d_k or more), so reading them in place touches a few cache lines per key in
+  // pages far apart, and the score product's packing must transpose row-major k; it pays that on every
+  // tile, while a worker that serves several query blocks of the head pays for one copy instead.
+  void stage(Index b, Index h) {
+    const AttentionProblem<Scalar>& p = p_;
+    const Index k_blocks = (p.nk + bk_ - 1) / bk_;
+    const Index k_size = (k_blocks * bk_ * p.d_k + kLine - 1) / kLine * kLine;
+    kv_buf_.resize(static_cast<std::size_t>(k_size + p.nk * p.d_v + kLine));
+    Scalar* k = aligned(kv_buf_);
+    Scalar* v = k + k_size;
+    for (Index kb = 0; kb < k_blocks; ++kb) {
+      const Index k0 = kb * bk_, cols = std::min(bk_, p.nk - k0);
+      Cols(k + kb * bk_ * p.d_k, cols, p.d_k, Eigen::OuterStride<>(bk_)) =
+          ConstRows(p.k.row(b, h, k0), cols, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
+    }
+    for (Index j = 0; j < p.nk; ++j) std::copy_n(p.v.row(b, h, j), p.d_v, v + j * p.d_v);
+    staged_k_ = k;
+    staged_v_ = v;
+    staged_bh_ = b * p.heads + h;
+  }
+
   // Attention output rows q0 .. q0 + rows - 1 of (batch b, head h), written to p.out.
   void run(Index b, Index h, Index q0, Index rows) {
     const AttentionProblem<Scalar>& p = p_;
+    const Index bh = b * p.heads + h;
+    const bool staged = staged_bh_ == bh;
+    const Scalar* v_base = staged ? staged_v_ : p.v.row(b, h, 0);
+    const Index v_stride = staged ? p.d_v : p.v.row_stride;
     Scalar* s_data = aligned(s_buf_);
     Scalar* o_data = aligned(o_buf_);
     Rows s(s_data, rows, bk_, Eigen::OuterStride<>(s_stride_));
@@ -112,8 +209,16 @@ class TiledWorker {
     std::fill(m_.begin(), m_.begin() + rows, -kInf);
     std::fill(l_.begin(), l_.begin() + rows, Scalar(0));
 
-    const ConstRows q(p.q.row(b, h, q0), rows, p.d_k, Eigen::OuterStride<>(p.q.row_stride));
-    const Index bh = b * p.heads + h;
+    // The q block is packed again for every tile: a contiguous copy keeps it within a few pages.
+    const Scalar* q_data = p.q.row(b, h, q0);
+    Index q_stride = p.q.row_stride;
+    if (q_stride != p.d_k && rows > 1) {
+      Scalar* q_copy = aligned(q_buf_);
+      for (Index i = 0; i < rows; ++i) std::copy_n(p.q.row(b, h, q0 + i), p.d_k, q_copy + i * p.d_k);
+      q_data = q_copy;
+      q_stride = p.d_k;
+    }
+    const ConstRows q(q_data, rows, p.d_k, Eigen::OuterStride<>(q_stride));
     // With p = 1 every probability is dropped: the scores still decide which rows are fully masked, but
     // nothing reaches the output, so the second product is pointless.
     const bool accumulate = !(p.dropout && p.keep_scale == Scalar(0));
@@ -130,10 +235,15 @@ class TiledWorker {
       }
       ++stats_.tiles_computed;
       const Index ni = i1 - i0, nj = j1 - j0;
-      const ConstRows k(p.k.row(b, h, k0 + j0), nj, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
       auto s_tile = s.block(i0, j0, ni, nj);
       // The scale rides on the product as its alpha: dot * scale, as the reference rounds it.
-      s_tile.noalias() = (p.scale * q.middleRows(i0, ni)) * k.transpose();
+      if (staged) {
+        const ConstCols k(staged_k_ + k0 * p.d_k + j0, nj, p.d_k, Eigen::OuterStride<>(bk_));
+        s_tile.noalias() = (p.scale * q.middleRows(i0, ni)) * k.transpose();
+      } else {
+        const ConstRows k(p.k.row(b, h, k0 + j0), nj, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
+        s_tile.noalias() = (p.scale * q.middleRows(i0, ni)) * k.transpose();
+      }
 
       for (Index i = i0; i < i1; ++i) {
         auto row = s.row(i).segment(j0, nj).array();
@@ -153,11 +263,12 @@ class TiledWorker {
         }
         const Scalar m_old = m_[si];
         const Scalar m_new = std::max(m_old, tile_max);
-        row = (row - m_new).exp();
-        // exp of a masked -inf is not exactly 0 in Eigen's vectorised exp (it clamps its argument):
-        // masked keys must contribute exactly nothing, as in the reference.
-        if (mixed) apply_mask(row, b, h, q0 + i, k0 + j0, Scalar(0));
-        const Scalar tile_sum = row.sum();
+        Scalar tile_sum = ShiftedExp<Scalar>::run(&row(0), nj, m_new);
+        // Masked keys must contribute exactly nothing, as in the reference.
+        if (mixed && !ShiftedExp<Scalar>::kExpZeroesMasked) {
+          apply_mask(row, b, h, q0 + i, k0 + j0, Scalar(0));
+          tile_sum = row.sum();
+        }
         if (m_old == -kInf) {
           l_[si] = tile_sum;  // first keys this row sees: the accumulator is still zero
         } else if (m_new != m_old) {
@@ -174,7 +285,7 @@ class TiledWorker {
       }
 
       if (accumulate) {
-        const ConstRows v(p.v.row(b, h, k0 + j0), nj, p.d_v, Eigen::OuterStride<>(p.v.row_stride));
+        const ConstRows v(v_base + (k0 + j0) * v_stride, nj, p.d_v, Eigen::OuterStride<>(v_stride));
         o.middleRows(i0, ni).noalias() += s_tile * v;
       }
     }
@@ -302,7 +413,13 @@ class TiledWorker {
     const Index stride = mask.stride[3];
     const Index n = row.size();
     Scalar* x = &row(0);
-    for (Index j = 0; j < n; ++j) x[j] = m[j * stride] ? value : x[j];
+    if (stride == 1) {
+      // A contiguous mask row: a loop the compiler turns into masked vector stores.
+      const unsigned char* bytes = reinterpret_cast<const unsigned char*>(m);
+      for (Index j = 0; j < n; ++j) x[j] = bytes[j] != 0 ? value : x[j];
+    } else {
+      for (Index j = 0; j < n; ++j) x[j] = m[j * stride] ? value : x[j];
+    }
   }
 
   // Dropout on one row of unnormalised probabilities for keys k0 ...: dropped -> 0, kept -> x * keep_scale.
@@ -329,6 +446,10 @@ class TiledWorker {
   const AttentionProblem<Scalar>& p_;
   const Index bq_, bk_, s_stride_;
   std::vector<Scalar> s_buf_, o_buf_;
+  std::vector<Scalar> q_buf_, kv_buf_;
+  const Scalar* staged_k_ = nullptr;
+  const Scalar* staged_v_ = nullptr;
+  Index staged_bh_ = -1;
   std::vector<Scalar> m_, l_;
   std::vector<std::uint8_t> state_;
   std::vector<Index> first_, last_;
@@ -358,15 +479,20 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
 
   const Index q_blocks = (p.nq + block_q - 1) / block_q;
   const Index units = p.batch * p.heads * q_blocks;
-  // Several chunks per worker: under a causal mask the query blocks differ in cost, and the shared counter
-  // in parallel_for evens that out.
-  const Index grain = balanced_grain(device, units, 8);
+  // A few chunks per worker: under a causal mask the query blocks differ in cost, and the shared counter
+  // in parallel_for evens that out; more chunks would stage each head's k and v more often.
+  const Index grain = balanced_grain(device, units, 4);
   std::atomic<Index> computed{0}, skipped{0};
   parallel_for(device, units, grain, [&](Index u0, Index u1) {
     detail::TiledWorker<Scalar> worker(p, block_q, block_k);
     for (Index u = u0; u < u1; ++u) {
       const Index bh = u / q_blocks, qb = u % q_blocks;
       const Index q0 = qb * block_q;
+      // Stage the head's k and v when this chunk reads them more than once.
+      if (qb == 0 || u == u0) {
+        const Index uses = std::min(u1, (bh + 1) * q_blocks) - u;
+        if (uses > 1) worker.stage(bh / p.heads, bh % p.heads);
+      }
       worker.run(bh / p.heads, bh % p.heads, q0, std::min(block_q, p.nq - q0));
     }
     computed.fetch_add(worker.stats().tiles_computed, std::memory_order_relaxed);

@@ -1,0 +1,701 @@
+// Tests of sdpa/kernels/tiled.hpp against reference_attention on the same AttentionProblem, built here
+// straight from random projected buffers: shapes on and around block boundaries (forced tiny blocks and the
+// cache-derived default), every broadcast form of mask and weights, causal and key-padding masks, fully
+// masked rows under both policies, large logits, dropout, fused and padded strided layouts, and a two-thread
+// device. Also: tiles that are fully masked are skipped (counted, and never read), the kernel's tile loop
+// makes no Eigen heap allocation, and a long sequence never allocates anything of size nq * nk.
+//
+// EIGEN_RUNTIME_NO_MALLOC and this eigen_assert let a test forbid Eigen's heap allocations and see them
+// even in a Release build; they must come before any Eigen header.
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+
+namespace {
+std::atomic<int> g_eigen_assert_failures{0};
+}  // namespace
+#define EIGEN_RUNTIME_NO_MALLOC
+#define eigen_assert(x)                                                                            \
+  do {                                                                                             \
+    if (!(x)) {                                                                                    \
+      g_eigen_assert_failures.fetch_add(1);                                                        \
+      std::fprintf(stderr, "eigen_assert failed: %s (%s:%d)\n", #x, __FILE__, __LINE__);          \
+    }                                                                                              \
+  } while (false)
+
+#include "sdpa/kernels/tiled.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sdpa/kernels/reference.hpp"
+#include "sdpa/mask.hpp"
+
+// Largest operator-new request while g_track_allocations is set: the O(N) memory test reads it.
+namespace {
+std::atomic<bool> g_track_allocations{false};
+std::atomic<std::size_t> g_largest_allocation{0};
+}  // namespace
+
+// GCC sees free() on a pointer from operator new; this replacement pairs them, so the warning is moot.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+void* operator new(std::size_t size) {
+  if (g_track_allocations.load(std::memory_order_relaxed)) {
+    std::size_t seen = g_largest_allocation.load(std::memory_order_relaxed);
+    while (size > seen && !g_largest_allocation.compare_exchange_weak(seen, size)) {
+    }
+  }
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+namespace {
+
+using Index = Eigen::Index;
+using sdpa::MaskedRows;
+using sdpa::kernels::AttentionProblem;
+using sdpa::kernels::TileConfig;
+using sdpa::kernels::TileStats;
+
+// What a test problem looks like; make_problem turns it into buffers and an AttentionProblem.
+struct Spec {
+  Index batch = 2, heads = 2, nq = 5, nk = 7, d_k = 8, d_v = 6;
+  // q, k and v in one (batch, n, 2 * h * d_k + h * d_v) buffer, as a fused QKV projection leaves them
+  // (needs nq == nk); otherwise three buffers whose rows carry `pad` unused elements.
+  bool fused = false;
+  Index pad = 0;
+  bool has_mask = false;
+  std::array<bool, 4> mask_full{{true, true, true, true}};  // false: that dimension is 1 (broadcast)
+  double mask_rate = 0.3;
+  double fully_masked_rate = 0.0;  // share of mask rows whose every key is masked
+  bool has_weights = false;
+  std::array<bool, 4> weights_full{{true, true, true, true}};
+  MaskedRows policy = MaskedRows::kZero;
+  double dropout = 0.0;
+  double q_magnitude = 1.0;
+  bool integer_values = false;  // q, k in small integers so that logits are exact (large-logit tests)
+  std::uint32_t seed = 1;
+};
+
+template <typename T>
+struct TestProblem {
+  std::vector<T> qkv;  // q, k, v storage (fused or three regions one after another)
+  sdpa::Mask mask;
+  Eigen::Tensor<T, 4, Eigen::RowMajor> weights;
+  AttentionProblem<T> p;
+
+  Index out_size() const { return p.batch * p.nq * p.heads * p.d_v; }
+};
+
+template <typename T>
+std::unique_ptr<TestProblem<T>> make_problem(const Spec& s) {
+  auto t = std::make_unique<TestProblem<T>>();
+  std::mt19937 gen(s.seed);
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  std::uniform_int_distribution<int> integer(-100, 100);
+  std::bernoulli_distribution masked(s.mask_rate), fully(s.fully_masked_rate);
+
+  AttentionProblem<T>& p = t->p;
+  p.batch = s.batch;
+  p.heads = s.heads;
+  p.nq = s.nq;
+  p.nk = s.nk;
+  p.d_k = s.d_k;
+  p.d_v = s.d_v;
+  p.scale = T(1) / std::sqrt(T(s.d_k));
+  if (s.fused) {
+    const Index n = s.nq;
+    const Index row = 2 * s.heads * s.d_k + s.heads * s.d_v;
+    t->qkv.resize(static_cast<std::size_t>(s.batch * n * row));
+    p.q = {t->qkv.data(), n * row, row, s.d_k};
+    p.k = {t->qkv.data() + s.heads * s.d_k, n * row, row, s.d_k};
+    p.v = {t->qkv.data() + 2 * s.heads * s.d_k, n * row, row, s.d_v};
+  } else {
+    const Index rq = s.heads * s.d_k + s.pad, rk = s.heads * s.d_k + s.pad, rv = s.heads * s.d_v + s.pad;
+    const Index nq_size = s.batch * s.nq * rq, nk_size = s.batch * s.nk * rk, nv_size = s.batch * s.nk * rv;
+    t->qkv.resize(static_cast<std::size_t>(nq_size + nk_size + nv_size + 1));
+    T* base = t->qkv.data();
+    p.q = {base, s.nq * rq, rq, s.d_k};
+    p.k = {base + nq_size, s.nk * rk, rk, s.d_k};
+    p.v = {base + nq_size + nk_size, s.nk * rv, rv, s.d_v};
+  }
+  // Fill every element (padding too: it must never matter).
+  for (std::size_t i = 0; i < t->qkv.size(); ++i)
+    t->qkv[i] = s.integer_values ? T(integer(gen)) : T(uniform(gen));
+  if (s.q_magnitude != 1.0) {
+    for (Index b = 0; b < s.batch; ++b)
+      for (Index i = 0; i < s.nq; ++i)
+        for (Index h = 0; h < s.heads; ++h) {
+          T* q = const_cast<T*>(p.q.row(b, h, i));
+          for (Index d = 0; d < s.d_k; ++d) q[d] *= T(s.q_magnitude);
+        }
+  }
+
+  const std::array<Index, 4> full{{s.batch, s.heads, s.nq, s.nk}};
+  if (s.has_mask) {
+    std::array<Index, 4> dims;
+    for (int i = 0; i < 4; ++i) dims[static_cast<std::size_t>(i)] = s.mask_full[static_cast<std::size_t>(i)] ? full[static_cast<std::size_t>(i)] : 1;
+    t->mask.resize(dims);
+    for (Index b = 0; b < dims[0]; ++b)
+      for (Index h = 0; h < dims[1]; ++h)
+        for (Index i = 0; i < dims[2]; ++i) {
+          const bool all = fully(gen);
+          for (Index j = 0; j < dims[3]; ++j) t->mask(b, h, i, j) = all || masked(gen);
+        }
+    p.mask = sdpa::make_broadcast_view<bool>(&t->mask, full, "tiled_test", "mask");
+  }
+  if (s.has_weights) {
+    std::array<Index, 4> dims;
+    for (int i = 0; i < 4; ++i) dims[static_cast<std::size_t>(i)] = s.weights_full[static_cast<std::size_t>(i)] ? full[static_cast<std::size_t>(i)] : 1;
+    t->weights.resize(dims);
+    std::uniform_real_distribution<double> w(0.25, 2.0);
+    for (Index i = 0; i < t->weights.size(); ++i) t->weights.data()[i] = s.integer_values ? T(1) : T(w(gen));
+    p.weights = sdpa::make_broadcast_view<T>(&t->weights, full, "tiled_test", "weights");
+  }
+  p.masked_rows = s.policy;
+  if (s.dropout > 0.0) {
+    p.dropout = true;
+    p.sampler = sdpa::DropoutSampler(s.seed * 7919u + 13u, 3, s.dropout);
+    p.keep_scale = s.dropout >= 1.0 ? T(0) : T(1.0 / (1.0 - s.dropout));
+  }
+  return t;
+}
+
+template <typename T>
+std::vector<T> run_reference(TestProblem<T>& t, const Eigen::ThreadPoolDevice* device = nullptr) {
+  std::vector<T> out(static_cast<std::size_t>(t.out_size()), T(-7));
+  AttentionProblem<T> p = t.p;
+  p.out = {out.data(), p.nq * p.heads * p.d_v, p.heads * p.d_v, p.d_v};
+  sdpa::kernels::reference_attention(p, device);
+  return out;
+}
+
+template <typename T>
+std::vector<T> run_tiled(TestProblem<T>& t, const Eigen::ThreadPoolDevice* device = nullptr,
+                         TileConfig config = TileConfig{}, TileStats* stats = nullptr) {
+  // Garbage in the output first: the kernel must write every element.
+  std::vector<T> out(static_cast<std::size_t>(t.out_size()), T(-7));
+  AttentionProblem<T> p = t.p;
+  p.out = {out.data(), p.nq * p.heads * p.d_v, p.heads * p.d_v, p.d_v};
+  sdpa::kernels::tiled_attention(p, device, config, stats);
+  return out;
+}
+
+template <typename T>
+double tolerance() {
+  return std::is_same<T, float>::value ? 2e-5 : 1e-12;
+}
+
+// Same NaN positions; elsewhere |a - b| <= tol * max(1, |b|).
+template <typename T>
+::testing::AssertionResult outputs_match(const std::vector<T>& got, const std::vector<T>& want,
+                                         double tol = tolerance<T>()) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "sizes differ";
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const bool got_nan = std::isnan(got[i]), want_nan = std::isnan(want[i]);
+    if (got_nan != want_nan)
+      return ::testing::AssertionFailure() << "element " << i << ": got " << got[i] << ", want " << want[i];
+    if (want_nan) continue;
+    const double err = std::abs(double(got[i]) - double(want[i]));
+    if (!(err <= tol * std::max(1.0, std::abs(double(want[i])))))
+      return ::testing::AssertionFailure() << "element " << i << ": got " << got[i] << ", want " << want[i]
+                                           << " (error " << err << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+std::string describe(const Spec& s, const TileConfig& c) {
+  return "batch " + std::to_string(s.batch) + " heads " + std::to_string(s.heads) + " nq " + std::to_string(s.nq) +
+         " nk " + std::to_string(s.nk) + " d_k " + std::to_string(s.d_k) + " d_v " + std::to_string(s.d_v) +
+         " blocks " + std::to_string(c.block_q) + "x" + std::to_string(c.block_k) + (s.fused ? " fused" : "") +
+         (s.has_mask ? " mask" : "") + (s.has_weights ? " weights" : "") +
+         (s.policy == MaskedRows::kNaN ? " kNaN" : "") + (s.dropout > 0 ? " dropout " + std::to_string(s.dropout) : "");
+}
+
+template <typename T>
+void expect_matches_reference(const Spec& s, const TileConfig& config) {
+  auto t = make_problem<T>(s);
+  EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, config), run_reference(*t))) << describe(s, config);
+}
+
+const TileConfig kTiny{4, 8};
+
+template <typename T>
+class TiledTest : public ::testing::Test {};
+using ScalarTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(TiledTest, ScalarTypes);
+
+TYPED_TEST(TiledTest, ShapesAroundTinyBlockBoundaries) {
+  using T = TypeParam;
+  const Index sizes[] = {1, 2, 3, 4, 5, 7, 8, 9, 11, 13, 16, 17, 23, 31};
+  std::uint32_t seed = 1;
+  for (Index nq : sizes)
+    for (Index nk : sizes) {
+      Spec s;
+      s.nq = nq;
+      s.nk = nk;
+      s.seed = seed++;
+      expect_matches_reference<T>(s, kTiny);
+    }
+}
+
+TYPED_TEST(TiledTest, ShapesAroundDefaultBlockBoundaries) {
+  using T = TypeParam;
+  const TileConfig c = TileConfig::for_problem<T>(16, 16);
+  for (Index nq : {Index(1), c.block_q - 1, c.block_q, c.block_q + 1, Index(2) * c.block_q + 3})
+    for (Index nk : {Index(1), c.block_k - 1, c.block_k, c.block_k + 1, Index(97)}) {
+      Spec s;
+      s.batch = 1;
+      s.heads = 2;
+      s.d_k = 16;
+      s.d_v = 16;
+      s.nq = nq;
+      s.nk = nk;
+      s.seed = static_cast<std::uint32_t>(nq * 1000 + nk);
+      expect_matches_reference<T>(s, TileConfig{});
+      s.has_mask = true;
+      s.mask_full = {{false, true, true, true}};
+      s.fully_masked_rate = 0.1;
+      expect_matches_reference<T>(s, TileConfig{});
+    }
+}
+
+TYPED_TEST(TiledTest, OddBlockSizesAndHeadDims) {
+  using T = TypeParam;
+  std::uint32_t seed = 100;
+  for (const TileConfig c : {TileConfig{1, 1}, TileConfig{3, 5}, TileConfig{7, 3}, TileConfig{5, 13}, TileConfig{64, 64}})
+    for (Index d_k : {1, 3, 17})
+      for (Index d_v : {1, 5, 16}) {
+        Spec s;
+        s.nq = 19;
+        s.nk = 23;
+        s.d_k = d_k;
+        s.d_v = d_v;
+        s.has_mask = true;
+        s.has_weights = true;
+        s.seed = seed++;
+        expect_matches_reference<T>(s, c);
+        s.dropout = 0.3;
+        expect_matches_reference<T>(s, c);
+      }
+}
+
+TYPED_TEST(TiledTest, NoKeysGiveZerosUnderBothPolicies) {
+  using T = TypeParam;
+  for (MaskedRows policy : {MaskedRows::kZero, MaskedRows::kNaN}) {
+    Spec s;
+    s.nk = 0;
+    s.policy = policy;
+    s.has_mask = true;
+    auto t = make_problem<T>(s);
+    const std::vector<T> ref = run_reference(*t);
+    for (const TileConfig& c : {kTiny, TileConfig{}}) {
+      const std::vector<T> got = run_tiled(*t, nullptr, c);
+      EXPECT_TRUE(outputs_match(got, ref));
+      for (T x : got) EXPECT_EQ(x, T(0));
+    }
+  }
+}
+
+TYPED_TEST(TiledTest, EveryMaskBroadcastForm) {
+  using T = TypeParam;
+  std::uint32_t seed = 200;
+  for (int form = 0; form < 16; ++form) {
+    for (MaskedRows policy : {MaskedRows::kZero, MaskedRows::kNaN}) {
+      Spec s;
+      s.batch = 2;
+      s.heads = 3;
+      s.nq = 13;
+      s.nk = 21;
+      s.has_mask = true;
+      s.mask_full = {{(form & 1) != 0, (form & 2) != 0, (form & 4) != 0, (form & 8) != 0}};
+      s.mask_rate = 0.4;
+      s.fully_masked_rate = 0.15;
+      s.policy = policy;
+      s.seed = seed++;
+      expect_matches_reference<T>(s, kTiny);
+      expect_matches_reference<T>(s, TileConfig{});
+    }
+  }
+}
+
+TYPED_TEST(TiledTest, EveryWeightsBroadcastForm) {
+  using T = TypeParam;
+  std::uint32_t seed = 300;
+  for (int form = 0; form < 16; ++form) {
+    Spec s;
+    s.batch = 2;
+    s.heads = 3;
+    s.nq = 13;
+    s.nk = 21;
+    s.has_weights = true;
+    s.weights_full = {{(form & 1) != 0, (form & 2) != 0, (form & 4) != 0, (form & 8) != 0}};
+    s.seed = seed++;
+    expect_matches_reference<T>(s, kTiny);
+    expect_matches_reference<T>(s, TileConfig{});
+    s.has_mask = true;  // weights multiply before the mask applies
+    s.mask_full = {{(form & 8) != 0, (form & 4) != 0, (form & 2) != 0, (form & 1) != 0}};
+    expect_matches_reference<T>(s, kTiny);
+  }
+}
+
+// Points tiled_attention at a mask tensor built by the library's helpers.
+template <typename T>
+void set_mask(TestProblem<T>& t, const sdpa::Mask& mask) {
+  t.mask = mask;
+  t.p.mask = sdpa::make_broadcast_view<bool>(&t.mask, {{t.p.batch, t.p.heads, t.p.nq, t.p.nk}}, "tiled_test", "mask");
+}
+
+TYPED_TEST(TiledTest, CausalMaskMatchesReferenceAndSkipsTheUpperTiles) {
+  using T = TypeParam;
+  for (Index n : {Index(1), Index(9), Index(64), Index(77)}) {
+    Spec s;
+    s.nq = n;
+    s.nk = n;
+    auto t = make_problem<T>(s);
+    set_mask(*t, sdpa::causal_mask(n, n));
+    const std::vector<T> ref = run_reference(*t);
+    TileStats stats;
+    EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, kTiny, &stats), ref)) << "n " << n;
+    // Tile (qb, kb) holds an unmasked score iff its first key is at most its last query.
+    Index expected = 0, total = 0;
+    for (Index q0 = 0; q0 < n; q0 += kTiny.block_q)
+      for (Index k0 = 0; k0 < n; k0 += kTiny.block_k) {
+        ++total;
+        if (k0 <= std::min(n, q0 + kTiny.block_q) - 1) ++expected;
+      }
+    EXPECT_EQ(stats.tiles_computed, expected * s.batch * s.heads) << "n " << n;
+    EXPECT_EQ(stats.tiles_skipped, (total - expected) * s.batch * s.heads) << "n " << n;
+    EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, TileConfig{}), ref)) << "n " << n;
+  }
+}
+
+TYPED_TEST(TiledTest, CausalMaskWithMoreKeysThanQueries) {
+  using T = TypeParam;
+  Spec s;
+  s.nq = 11;
+  s.nk = 30;
+  auto t = make_problem<T>(s);
+  set_mask(*t, sdpa::causal_mask(s.nq, s.nk));
+  EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, kTiny), run_reference(*t)));
+}
+
+TYPED_TEST(TiledTest, KeyPaddingMaskNeverReadsThePaddedKeys) {
+  using T = TypeParam;
+  Spec s;
+  s.batch = 3;
+  s.nq = 10;
+  s.nk = 29;
+  const std::vector<Index> lengths = {29, 8, 13};  // 8: a whole number of key blocks; 13: mid-block
+  auto t = make_problem<T>(s);
+  set_mask(*t, sdpa::key_padding_mask(lengths, s.nk));
+  const std::vector<T> ref = run_reference(*t);
+  EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, kTiny), ref));
+  EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, TileConfig{}), ref));
+  // NaN in the padded keys' k and v: the reference would multiply them by 0 and give NaN, but a kernel
+  // that skips masked tiles and trims tiles to their unmasked keys never reads them.
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  for (Index b = 0; b < s.batch; ++b)
+    for (Index j = lengths[static_cast<std::size_t>(b)]; j < s.nk; ++j)
+      for (Index h = 0; h < s.heads; ++h) {
+        std::fill_n(const_cast<T*>(t->p.k.row(b, h, j)), s.d_k, nan);
+        std::fill_n(const_cast<T*>(t->p.v.row(b, h, j)), s.d_v, nan);
+      }
+  TileStats stats;
+  EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, kTiny, &stats), ref));
+  EXPECT_GT(stats.tiles_skipped, 0);
+  EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, TileConfig{}), ref));
+}
+
+TYPED_TEST(TiledTest, FullyMaskedRowsFollowThePolicy) {
+  using T = TypeParam;
+  for (MaskedRows policy : {MaskedRows::kZero, MaskedRows::kNaN}) {
+    Spec s;
+    s.nq = 17;
+    s.nk = 19;
+    s.has_mask = true;
+    s.fully_masked_rate = 0.3;
+    s.policy = policy;
+    s.seed = 400 + static_cast<std::uint32_t>(policy);
+    auto t = make_problem<T>(s);
+    const std::vector<T> ref = run_reference(*t);
+    std::size_t nan_count = 0;
+    for (T x : ref) nan_count += std::isnan(x) ? 1 : 0;
+    if (policy == MaskedRows::kNaN) {
+      EXPECT_GT(nan_count, 0u);  // the spec did produce fully masked rows
+    } else {
+      EXPECT_EQ(nan_count, 0u);
+    }
+    for (const TileConfig& c : {kTiny, TileConfig{2, 3}, TileConfig{}})
+      EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, c), ref));
+  }
+  // Every key of every row masked.
+  for (MaskedRows policy : {MaskedRows::kZero, MaskedRows::kNaN}) {
+    Spec s;
+    s.has_mask = true;
+    s.mask_full = {{false, false, false, false}};
+    s.mask_rate = 1.0;
+    s.policy = policy;
+    auto t = make_problem<T>(s);
+    TileStats stats;
+    const std::vector<T> got = run_tiled(*t, nullptr, kTiny, &stats);
+    EXPECT_TRUE(outputs_match(got, run_reference(*t)));
+    EXPECT_EQ(stats.tiles_computed, 0);
+    for (T x : got) EXPECT_TRUE(policy == MaskedRows::kNaN ? std::isnan(x) : x == T(0));
+  }
+}
+
+// Rows that see keys in some tiles and none in others: the running max starts at -inf and must not turn
+// into NaN (exp(-inf - -inf)).
+TYPED_TEST(TiledTest, RowsMaskedInTheirFirstTiles) {
+  using T = TypeParam;
+  Spec s;
+  s.nq = 9;
+  s.nk = 40;
+  auto t = make_problem<T>(s);
+  sdpa::Mask mask(1, 1, s.nq, s.nk);
+  for (Index i = 0; i < s.nq; ++i)
+    for (Index j = 0; j < s.nk; ++j) mask(0, 0, i, j) = j < 4 * i || (j % 3 == 0 && i % 2 == 0);
+  set_mask(*t, mask);
+  const std::vector<T> ref = run_reference(*t);
+  for (const TileConfig& c : {kTiny, TileConfig{3, 4}, TileConfig{}})
+    EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, c), ref));
+}
+
+TYPED_TEST(TiledTest, LargeLogitsStayFinite) {
+  using T = TypeParam;
+  Spec s;
+  s.nq = 21;
+  s.nk = 37;
+  s.d_k = 16;  // scale 1/4: integer dot products times it stay exact, so both kernels see the same logits
+  s.integer_values = true;
+  s.has_mask = true;
+  s.mask_rate = 0.2;
+  s.has_weights = true;  // all ones with integer_values
+  auto t = make_problem<T>(s);
+  // Logits reach 1e4: |q . k| / 4 with entries up to 100 in 16 dims.
+  Index big = 0;
+  for (Index j = 0; j < s.nk; ++j) {
+    const T* q = t->p.q.row(0, 0, 0);
+    const T* k = t->p.k.row(0, 0, j);
+    T dot = 0;
+    for (Index d = 0; d < s.d_k; ++d) dot += q[d] * k[d];
+    big += std::abs(dot * t->p.scale) > T(5000) ? 1 : 0;
+  }
+  EXPECT_GT(big, 0);
+  const std::vector<T> ref = run_reference(*t);
+  for (const TileConfig& c : {kTiny, TileConfig{}}) {
+    const std::vector<T> got = run_tiled(*t, nullptr, c);
+    EXPECT_TRUE(outputs_match(got, ref));
+    for (T x : got) EXPECT_TRUE(std::isfinite(x));
+  }
+  // Logits of 1e4 in magnitude from a scaled q (not exact, but a max-subtracting softmax stays finite).
+  Spec f;
+  f.nq = 16;
+  f.nk = 16;
+  f.q_magnitude = 3e4;
+  auto u = make_problem<T>(f);
+  for (T x : run_tiled(*u, nullptr, kTiny)) EXPECT_TRUE(std::isfinite(x));
+}
+
+TYPED_TEST(TiledTest, DropoutDropsTheReferencesElements) {
+  using T = TypeParam;
+  std::uint32_t seed = 500;
+  for (double rate : {0.3, 1.0}) {
+    for (const TileConfig& c : {kTiny, TileConfig{5, 7}, TileConfig{}}) {
+      Spec s;
+      s.batch = 2;
+      s.heads = 3;
+      s.nq = 14;
+      s.nk = 27;
+      s.dropout = rate;
+      s.seed = seed++;
+      expect_matches_reference<T>(s, c);
+      s.has_mask = true;
+      s.fully_masked_rate = 0.2;
+      s.policy = MaskedRows::kNaN;
+      s.has_weights = true;
+      expect_matches_reference<T>(s, c);
+    }
+  }
+  // The outputs differ from the undropped ones, so matching the reference means the same elements dropped.
+  Spec s;
+  s.dropout = 0.3;
+  auto t = make_problem<T>(s);
+  std::vector<T> dropped = run_tiled(*t, nullptr, kTiny);
+  t->p.dropout = false;
+  EXPECT_FALSE(outputs_match(dropped, run_tiled(*t, nullptr, kTiny)));
+}
+
+TYPED_TEST(TiledTest, FusedAndPaddedStridedLayouts) {
+  using T = TypeParam;
+  std::uint32_t seed = 600;
+  for (Index n : {Index(1), Index(6), Index(33)}) {
+    Spec s;
+    s.heads = 3;
+    s.nq = n;
+    s.nk = n;
+    s.d_k = 5;
+    s.d_v = 7;
+    s.fused = true;
+    s.has_mask = true;
+    s.seed = seed++;
+    expect_matches_reference<T>(s, kTiny);
+    expect_matches_reference<T>(s, TileConfig{});
+    s.fused = false;
+    s.pad = 3;
+    s.nk = n + 4;
+    expect_matches_reference<T>(s, kTiny);
+    expect_matches_reference<T>(s, TileConfig{});
+  }
+}
+
+TYPED_TEST(TiledTest, TwoThreadsMatchOneThread) {
+  using T = TypeParam;
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice device(&pool, 2);
+  std::uint32_t seed = 700;
+  for (const TileConfig& c : {kTiny, TileConfig{}}) {
+    Spec s;
+    s.batch = 2;
+    s.heads = 3;
+    s.nq = 45;
+    s.nk = 38;
+    s.has_mask = true;
+    s.has_weights = true;
+    s.fully_masked_rate = 0.1;
+    s.policy = MaskedRows::kNaN;
+    s.dropout = 0.3;
+    s.seed = seed++;
+    auto t = make_problem<T>(s);
+    const std::vector<T> one = run_tiled(*t, nullptr, c);
+    TileStats one_stats, two_stats;
+    run_tiled(*t, nullptr, c, &one_stats);
+    const std::vector<T> two = run_tiled(*t, &device, c, &two_stats);
+    EXPECT_TRUE(outputs_match(two, one));
+    EXPECT_TRUE(outputs_match(two, run_reference(*t)));
+    EXPECT_EQ(one_stats.tiles_computed, two_stats.tiles_computed);
+    EXPECT_EQ(one_stats.tiles_skipped, two_stats.tiles_skipped);
+  }
+}
+
+TYPED_TEST(TiledTest, ForcedBlocksAreUsed) {
+  using T = TypeParam;
+  Spec s;
+  s.nq = 10;
+  s.nk = 17;
+  auto t = make_problem<T>(s);
+  TileStats stats;
+  run_tiled(*t, nullptr, TileConfig{3, 4}, &stats);
+  EXPECT_EQ(stats.tiles_computed, s.batch * s.heads * 4 * 5);
+  EXPECT_EQ(stats.tiles_skipped, 0);
+  // Blocks longer than the sequences shrink to them.
+  run_tiled(*t, nullptr, TileConfig{1000, 1000}, &stats);
+  EXPECT_EQ(stats.tiles_computed, s.batch * s.heads);
+}
+
+TEST(TileConfig, DerivedFromTheCaches) {
+  const auto is_pow2 = [](Index x) { return x > 0 && (x & (x - 1)) == 0; };
+  for (Index l2 : {Index(256) << 10, Index(512) << 10, Index(1) << 20, Index(2) << 20})
+    for (Index bytes : {4, 8})
+      for (Index d : {8, 64, 128, 256}) {
+        const TileConfig c = TileConfig::for_caches(bytes, d, d, 32 << 10, l2);
+        EXPECT_TRUE(is_pow2(c.block_q) && is_pow2(c.block_k)) << c.block_q << "x" << c.block_k;
+        EXPECT_GE(c.block_q, 16);
+        EXPECT_LE(c.block_q, 256);
+        EXPECT_GE(c.block_k, 32);
+        EXPECT_LE(c.block_k, 512);
+        // A larger L2 never gives smaller blocks.
+        const TileConfig bigger = TileConfig::for_caches(bytes, d, d, 32 << 10, 2 * l2);
+        EXPECT_GE(bigger.block_q * bigger.block_k, c.block_q * c.block_k);
+      }
+  const TileConfig here = TileConfig::for_problem<float>(64, 64);
+  const TileConfig rule = TileConfig::for_caches(4, 64, 64, static_cast<Index>(Eigen::l1CacheSize()),
+                                                 static_cast<Index>(Eigen::l2CacheSize()));
+  EXPECT_EQ(here.block_q, rule.block_q);
+  EXPECT_EQ(here.block_k, rule.block_k);
+}
+
+// The tile loop runs on scratch sized once per chunk of work: with Eigen's heap allocation forbidden the
+// products and the softmax must still go through (Eigen's product blocking must fit its stack buffers).
+TYPED_TEST(TiledTest, TileLoopMakesNoEigenHeapAllocation) {
+  using T = TypeParam;
+  for (Index d : {Index(32), Index(64), Index(128)}) {
+    Spec s;
+    s.batch = 1;
+    s.heads = 2;
+    s.nq = 300;
+    s.nk = 700;
+    s.d_k = d;
+    s.d_v = d;
+    s.has_mask = true;
+    s.mask_full = {{false, false, true, true}};
+    s.has_weights = true;
+    s.dropout = 0.2;
+    auto t = make_problem<T>(s);
+    std::vector<T> out(static_cast<std::size_t>(t->out_size()));
+    AttentionProblem<T> p = t->p;
+    p.out = {out.data(), p.nq * p.heads * p.d_v, p.heads * p.d_v, p.d_v};
+    const int before = g_eigen_assert_failures.load();
+    Eigen::internal::set_is_malloc_allowed(false);
+    sdpa::kernels::tiled_attention(p);
+    Eigen::internal::set_is_malloc_allowed(true);
+    EXPECT_EQ(g_eigen_assert_failures.load(), before) << "d " << d;
+    EXPECT_TRUE(outputs_match(out, run_reference(*t))) << "d " << d;
+  }
+}
+
+// O(N) memory: a long sequence allocates scratch per worker, never anything of nq * nk size.
+TEST(TiledMemory, LongSequenceAllocatesNoScoreMatrix) {
+  Spec s;
+  s.batch = 1;
+  s.heads = 1;
+  s.nq = 16384;
+  s.nk = 16384;
+  s.d_k = 4;
+  s.d_v = 4;
+  auto t = make_problem<float>(s);
+  // Causal through a (1, 1, nq, nk) mask would itself be nq * nk bytes: use key padding instead.
+  t->mask = sdpa::key_padding_mask({s.nk - 5}, s.nk);
+  t->p.mask = sdpa::make_broadcast_view<bool>(&t->mask, {{1, 1, s.nq, s.nk}}, "tiled_test", "mask");
+  std::vector<float> out(static_cast<std::size_t>(t->out_size()));
+  AttentionProblem<float> p = t->p;
+  p.out = {out.data(), p.nq * p.d_v, p.d_v, p.d_v};
+  g_largest_allocation = 0;
+  g_track_allocations = true;
+  sdpa::kernels::tiled_attention(p);
+  g_track_allocations = false;
+  const std::size_t scores = static_cast<std::size_t>(s.nq) * static_cast<std::size_t>(s.nk) * sizeof(float);
+  EXPECT_LT(g_largest_allocation.load(), scores / 64) << "largest allocation " << g_largest_allocation.load();
+  for (float x : out) ASSERT_TRUE(std::isfinite(x));
+  // Spot-check a few rows against the reference on a cut-down problem with the same first rows.
+  AttentionProblem<float> few = t->p;
+  few.nq = 3;
+  std::vector<float> got(static_cast<std::size_t>(3 * s.d_v)), want(got.size());
+  few.out = {got.data(), 3 * s.d_v, s.d_v, s.d_v};
+  sdpa::kernels::tiled_attention(few);
+  few.out = {want.data(), 3 * s.d_v, s.d_v, s.d_v};
+  sdpa::kernels::reference_attention(few);
+  EXPECT_TRUE(outputs_match(got, want));
+  EXPECT_TRUE(outputs_match(std::vector<float>(out.begin(), out.begin() + 3 * s.d_v), want));
+}
+
+}  // namespace
