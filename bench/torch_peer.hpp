@@ -1,0 +1,51 @@
+// The LibTorch peer of sdpa's module, behind a plain interface so that only torch_peer.cpp includes
+// LibTorch's (slow to compile) headers and the benchmark's other translation units stay Eigen-only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace sdpa_bench {
+
+struct TorchShape {
+  std::int64_t batch, nq, nk, d_model, d_k, d_v, h;
+};
+
+// One nn.Linear's parameters in PyTorch's layout: weight (out, in) row-major, bias (out).
+struct TorchLinearParams {
+  const float* weight;
+  const float* bias;
+};
+
+// External-Attention-pytorch's ScaledDotProductAttention written with LibTorch ops exactly as its
+// forward: fc_q/fc_k/fc_v, view + permute, matmul / sqrt(d_k), masked_fill(-inf), softmax, dropout
+// (eval: identity), matmul, permute + contiguous + view, fc_o. Eval mode, NoGradGuard, InferenceMode.
+class TorchPeer {
+ public:
+  // Copies the four layers' parameters into torch::nn::Linear modules.
+  TorchPeer(const TorchShape& shape, TorchLinearParams fc_q, TorchLinearParams fc_k, TorchLinearParams fc_v,
+            TorchLinearParams fc_o);
+  ~TorchPeer();
+  TorchPeer(const TorchPeer&) = delete;
+  TorchPeer& operator=(const TorchPeer&) = delete;
+
+  // Borrows the callers' row-major buffers (no copy): queries (batch, nq, d_model), keys and values
+  // (batch, nk, d_model); they may be the same buffer. causal adds torch.triu(ones(nq, nk), 1) as a bool
+  // (1, 1, nq, nk) attention_mask, built here once.
+  void set_inputs(const float* queries, const float* keys, const float* values, bool causal);
+
+  // One forward; the result stays alive until the next call (or drop_output()).
+  void forward();
+  const float* output() const;  // (batch, nq, d_model), contiguous
+  void drop_output();
+
+  static void set_num_threads(int threads);  // at::set_num_threads
+  static std::string describe();             // version and at::get_parallel_info()
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sdpa_bench
