@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/version.h>
 
+#include <dlfcn.h>
+
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -104,7 +106,14 @@ const float* TorchPeer::output() const {
 
 void TorchPeer::drop_output() { impl_->output = torch::Tensor(); }
 
-void TorchPeer::set_num_threads(int threads) { at::set_num_threads(threads); }
+void TorchPeer::set_num_threads(int threads) {
+  at::set_num_threads(threads);
+  // Debian's LibTorch calls whatever libblas.so.3 provides; OpenBLAS keeps its own thread pool, which
+  // at::set_num_threads does not reach, so a 1-thread case would otherwise run its GEMMs on every core.
+  using SetThreads = void (*)(int);
+  if (auto set_blas_threads = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
+    set_blas_threads(threads);
+}
 
 std::string TorchPeer::describe() {
   std::ostringstream os;
