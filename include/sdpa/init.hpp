@@ -193,6 +193,17 @@ inline Eigen::Index select_fan(const char* where, const Fans& fans, FanMode mode
   throw_invalid(where, "mode", "FanMode::kFanIn or FanMode::kFanOut", static_cast<int>(mode));
 }
 
+// gain / sqrt(fan) of the Kaiming strategies, after checking their parameters and the tensor.
+template <typename Gen, typename TensorT>
+double kaiming_std(const char* where, const TensorT& t, double a, FanMode mode, Nonlinearity nonlinearity) {
+  check_target<TensorT>();
+  check_generator<Gen>();
+  check_finite(where, "a", a);
+  const double gain = calculate_gain(nonlinearity, a);
+  const Eigen::Index fan = select_fan(where, compute_fans_for(where, t), mode);
+  return gain / std::sqrt(static_cast<double>(fan));
+}
+
 }  // namespace detail
 
 namespace init {
@@ -310,14 +321,8 @@ struct KaimingUniform {
 
   template <typename TensorT, typename Gen>
   void operator()(TensorT& t, Gen& gen) const {
-    detail::check_target<TensorT>();
-    detail::check_generator<Gen>();
-    detail::check_finite("init::KaimingUniform", "a", a);
-    const double gain = calculate_gain(nonlinearity, a);
-    const Eigen::Index fan =
-        detail::select_fan("init::KaimingUniform", detail::compute_fans_for("init::KaimingUniform", t), mode);
+    const double stddev = detail::kaiming_std<Gen>("init::KaimingUniform", t, a, mode, nonlinearity);
     if (t.size() == 0) return;
-    const double stddev = gain / std::sqrt(static_cast<double>(fan));
     const double bound = std::sqrt(3.0) * stddev;
     detail::fill_uniform(t, gen, -bound, bound);
   }
@@ -330,14 +335,8 @@ struct KaimingNormal {
 
   template <typename TensorT, typename Gen>
   void operator()(TensorT& t, Gen& gen) const {
-    detail::check_target<TensorT>();
-    detail::check_generator<Gen>();
-    detail::check_finite("init::KaimingNormal", "a", a);
-    const double gain = calculate_gain(nonlinearity, a);
-    const Eigen::Index fan =
-        detail::select_fan("init::KaimingNormal", detail::compute_fans_for("init::KaimingNormal", t), mode);
+    const double stddev = detail::kaiming_std<Gen>("init::KaimingNormal", t, a, mode, nonlinearity);
     if (t.size() == 0) return;
-    const double stddev = gain / std::sqrt(static_cast<double>(fan));
     detail::fill_normal(t, gen, 0.0, stddev);
   }
 };

@@ -20,6 +20,7 @@
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/projection.hpp"
 #include "sdpa/kernels/reference.hpp"
+#include "sdpa/kernels/tiled.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/parallel.hpp"
@@ -41,8 +42,9 @@ struct ParameterRef {
   }
 };
 
-// Which attention core forward() runs. kReference is the plain path the others are tested against.
-enum class Kernel { kAuto, kReference };
+// Which attention core forward() runs: kAuto is the tiled kernel; kReference is the plain path the tiled
+// kernel is tested against (it holds a whole row of scores per query and is several times slower).
+enum class Kernel { kAuto, kTiled, kReference };
 
 template <typename Scalar>
 class ScaledDotProductAttention {
@@ -369,7 +371,10 @@ class ScaledDotProductAttention {
       p.sampler = DropoutSampler(seed_, calls_.fetch_add(1), static_cast<double>(dropout_));
       p.keep_scale = dropout_ >= Scalar(1) ? Scalar(0) : Scalar(1) / (Scalar(1) - dropout_);
     }
-    kernels::reference_attention(p, device);
+    if (kernel_ == Kernel::kReference)
+      kernels::reference_attention(p, device);
+    else
+      kernels::tiled_attention(p, device);
 
     fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
     return result;

@@ -6,6 +6,7 @@
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/reference.hpp"
+#include "sdpa/kernels/tiled.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/parallel.hpp"
