@@ -1,9 +1,10 @@
 // Tests of sdpa/kernels/tiled.hpp against reference_attention on the same AttentionProblem, built here
 // straight from random projected buffers: shapes on and around block boundaries (forced tiny blocks and the
-// cache-derived default), every broadcast form of mask and weights, causal and key-padding masks, fully
-// masked rows under both policies, large logits, dropout, fused and padded strided layouts, and a two-thread
-// device. Also: tiles that are fully masked are skipped (counted, and never read), the kernel's tile loop
-// makes no Eigen heap allocation, and a long sequence never allocates anything of size nq * nk.
+// cache-derived default, query groups), every broadcast form of mask and weights, causal, key-padding and
+// sliding-window masks, fully masked rows under both policies, large logits, dropout, fused and padded
+// strided layouts, and a two-thread device. Also: tiles that are fully masked are skipped (counted, and
+// never read), the softmax's exp against std::exp, the block rule, no Eigen heap allocation in the tile
+// loop, and no allocation of size nq * nk for a long sequence.
 //
 // EIGEN_RUNTIME_NO_MALLOC and this eigen_assert let a test forbid Eigen's heap allocations and see them
 // even in a Release build; they must come before any Eigen header.
@@ -236,7 +237,8 @@ void expect_matches_reference(const Spec& s, const TileConfig& config) {
   EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, config), run_reference(*t))) << describe(s, config);
 }
 
-const TileConfig kTiny{4, 8};
+const TileConfig kTiny{4, 8, 1};
+const TileConfig kTinyGroups{4, 8, 3};  // three query blocks take turns on each key block
 
 template <typename T>
 class TiledTest : public ::testing::Test {};
@@ -254,6 +256,7 @@ TYPED_TEST(TiledTest, ShapesAroundTinyBlockBoundaries) {
       s.nk = nk;
       s.seed = seed++;
       expect_matches_reference<T>(s, kTiny);
+      expect_matches_reference<T>(s, kTinyGroups);
     }
 }
 
@@ -281,7 +284,8 @@ TYPED_TEST(TiledTest, ShapesAroundDefaultBlockBoundaries) {
 TYPED_TEST(TiledTest, OddBlockSizesAndHeadDims) {
   using T = TypeParam;
   std::uint32_t seed = 100;
-  for (const TileConfig c : {TileConfig{1, 1}, TileConfig{3, 5}, TileConfig{7, 3}, TileConfig{5, 13}, TileConfig{64, 64}})
+  for (const TileConfig c : {TileConfig{1, 1, 1}, TileConfig{3, 5, 1}, TileConfig{7, 3, 2}, TileConfig{5, 13, 3},
+                             TileConfig{2, 4, 8}, TileConfig{64, 64}})
     for (Index d_k : {1, 3, 17})
       for (Index d_v : {1, 5, 16}) {
         Spec s;
@@ -332,6 +336,7 @@ TYPED_TEST(TiledTest, EveryMaskBroadcastForm) {
       s.policy = policy;
       s.seed = seed++;
       expect_matches_reference<T>(s, kTiny);
+      expect_matches_reference<T>(s, kTinyGroups);
       expect_matches_reference<T>(s, TileConfig{});
     }
   }
@@ -385,6 +390,9 @@ TYPED_TEST(TiledTest, CausalMaskMatchesReferenceAndSkipsTheUpperTiles) {
     EXPECT_EQ(stats.tiles_computed, expected * s.batch * s.heads) << "n " << n;
     EXPECT_EQ(stats.tiles_skipped, (total - expected) * s.batch * s.heads) << "n " << n;
     EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, TileConfig{}), ref)) << "n " << n;
+    TileStats grouped;
+    EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, kTinyGroups, &grouped), ref)) << "n " << n;
+    EXPECT_EQ(grouped.tiles_computed, stats.tiles_computed) << "n " << n;
   }
 }
 
@@ -422,6 +430,7 @@ TYPED_TEST(TiledTest, KeyPaddingMaskNeverReadsThePaddedKeys) {
   TileStats stats;
   EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, kTiny, &stats), ref));
   EXPECT_GT(stats.tiles_skipped, 0);
+  EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, kTinyGroups), ref));
   EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, TileConfig{}), ref));
 }
 
@@ -444,7 +453,7 @@ TYPED_TEST(TiledTest, FullyMaskedRowsFollowThePolicy) {
     } else {
       EXPECT_EQ(nan_count, 0u);
     }
-    for (const TileConfig& c : {kTiny, TileConfig{2, 3}, TileConfig{}})
+    for (const TileConfig& c : {kTiny, TileConfig{2, 3, 4}, TileConfig{}})
       EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, c), ref));
   }
   // Every key of every row masked.
@@ -476,8 +485,65 @@ TYPED_TEST(TiledTest, RowsMaskedInTheirFirstTiles) {
     for (Index j = 0; j < s.nk; ++j) mask(0, 0, i, j) = j < 4 * i || (j % 3 == 0 && i % 2 == 0);
   set_mask(*t, mask);
   const std::vector<T> ref = run_reference(*t);
-  for (const TileConfig& c : {kTiny, TileConfig{3, 4}, TileConfig{}})
+  for (const TileConfig& c : {kTiny, TileConfig{3, 4, 2}, TileConfig{}})
     EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, c), ref));
+}
+
+// Sliding windows: each row's unmasked keys are one run that starts and ends mid-sequence, so tiles on
+// both sides of it are skipped; every other row also gets a hole (two runs).
+TYPED_TEST(TiledTest, SlidingWindowsAndRowsWithHoles) {
+  using T = TypeParam;
+  Spec s;
+  s.nq = 37;
+  s.nk = 45;
+  auto t = make_problem<T>(s);
+  sdpa::Mask mask(1, 1, s.nq, s.nk);
+  for (Index i = 0; i < s.nq; ++i)
+    for (Index j = 0; j < s.nk; ++j) {
+      const bool outside = j < i || j > i + 6;
+      const bool hole = i % 2 == 1 && j == i + 3;
+      mask(0, 0, i, j) = outside || hole;
+    }
+  set_mask(*t, mask);
+  const std::vector<T> ref = run_reference(*t);
+  TileStats stats;
+  for (const TileConfig& c : {kTiny, kTinyGroups, TileConfig{5, 3, 2}, TileConfig{}}) {
+    EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, c, &stats), ref));
+  }
+  run_tiled(*t, nullptr, kTiny, &stats);
+  EXPECT_GT(stats.tiles_skipped, stats.tiles_computed);
+}
+
+// A mask view built by hand whose keys are not adjacent in memory (stride 2): the kernel reads it through
+// the view like the reference does.
+TYPED_TEST(TiledTest, HandBuiltMaskViewWithStridedKeys) {
+  using T = TypeParam;
+  Spec s;
+  s.batch = 2;
+  s.nq = 11;
+  s.nk = 19;
+  auto t = make_problem<T>(s);
+  std::mt19937 gen(900);
+  std::bernoulli_distribution masked(0.7);
+  std::unique_ptr<bool[]> storage(new bool[static_cast<std::size_t>(s.batch * s.nq * s.nk * 2)]);
+  for (Index b = 0; b < s.batch; ++b)
+    for (Index i = 0; i < s.nq; ++i)
+      for (Index j = 0; j < 2 * s.nk; ++j) {
+        // Odd bytes are not part of the view: "masked" there catches a kernel that reads them. Row 3 of
+        // each batch fully masked, row 5 one solid run; the rest random.
+        bool value = j % 2 == 1 || masked(gen);
+        if (i == 3) value = true;
+        if (i == 5) value = j % 2 == 1 || j / 2 < 4 || j / 2 > 9;
+        storage[static_cast<std::size_t>((b * s.nq + i) * 2 * s.nk + j)] = value;
+      }
+  t->p.mask.data = storage.get();
+  t->p.mask.stride = {{s.nq * 2 * s.nk, 0, 2 * s.nk, 2}};
+  for (MaskedRows policy : {MaskedRows::kZero, MaskedRows::kNaN}) {
+    t->p.masked_rows = policy;
+    const std::vector<T> ref = run_reference(*t);
+    for (const TileConfig& c : {kTiny, kTinyGroups, TileConfig{}})
+      EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, c), ref));
+  }
 }
 
 TYPED_TEST(TiledTest, LargeLogitsStayFinite) {
@@ -520,7 +586,7 @@ TYPED_TEST(TiledTest, DropoutDropsTheReferencesElements) {
   using T = TypeParam;
   std::uint32_t seed = 500;
   for (double rate : {0.3, 1.0}) {
-    for (const TileConfig& c : {kTiny, TileConfig{5, 7}, TileConfig{}}) {
+    for (const TileConfig& c : {kTiny, TileConfig{5, 7, 2}, TileConfig{}}) {
       Spec s;
       s.batch = 2;
       s.heads = 3;
@@ -559,11 +625,13 @@ TYPED_TEST(TiledTest, FusedAndPaddedStridedLayouts) {
     s.has_mask = true;
     s.seed = seed++;
     expect_matches_reference<T>(s, kTiny);
+    expect_matches_reference<T>(s, kTinyGroups);
     expect_matches_reference<T>(s, TileConfig{});
     s.fused = false;
     s.pad = 3;
     s.nk = n + 4;
     expect_matches_reference<T>(s, kTiny);
+    expect_matches_reference<T>(s, kTinyGroups);
     expect_matches_reference<T>(s, TileConfig{});
   }
 }
@@ -573,7 +641,7 @@ TYPED_TEST(TiledTest, TwoThreadsMatchOneThread) {
   Eigen::ThreadPool pool(2);
   Eigen::ThreadPoolDevice device(&pool, 2);
   std::uint32_t seed = 700;
-  for (const TileConfig& c : {kTiny, TileConfig{}}) {
+  for (const TileConfig& c : {kTiny, kTinyGroups, TileConfig{}}) {
     Spec s;
     s.batch = 2;
     s.heads = 3;
@@ -607,9 +675,58 @@ TYPED_TEST(TiledTest, ForcedBlocksAreUsed) {
   run_tiled(*t, nullptr, TileConfig{3, 4}, &stats);
   EXPECT_EQ(stats.tiles_computed, s.batch * s.heads * 4 * 5);
   EXPECT_EQ(stats.tiles_skipped, 0);
+  run_tiled(*t, nullptr, TileConfig{3, 4, 3}, &stats);  // groups change the order of tiles, not their number
+  EXPECT_EQ(stats.tiles_computed, s.batch * s.heads * 4 * 5);
   // Blocks longer than the sequences shrink to them.
   run_tiled(*t, nullptr, TileConfig{1000, 1000}, &stats);
   EXPECT_EQ(stats.tiles_computed, s.batch * s.heads);
+}
+
+// The softmax's exp pass, whichever implementation this build uses, against std::exp: every length up to
+// a few packets (masked tails), arguments from 0 down past the float range, masked -inf (which must give
+// exactly 0 where the implementation promises it) and NaN (which must stay NaN).
+template <typename T, typename Exp>
+void check_shifted_exp() {
+  std::mt19937 gen(77);
+  std::uniform_real_distribution<double> spread(-120.0, 0.0), near(-3.0, 0.0);
+  const T shift = T(3.5);
+  for (Index n = 1; n <= 70; ++n) {
+    std::vector<T> x(static_cast<std::size_t>(n));
+    for (Index j = 0; j < n; ++j) {
+      T v = T(j % 2 == 0 ? near(gen) : spread(gen)) + shift;
+      if (j % 7 == 3) v = -std::numeric_limits<T>::infinity();
+      if (j % 11 == 5) v = shift;  // exp(0)
+      x[static_cast<std::size_t>(j)] = v;
+    }
+    std::vector<T> want(x.size());
+    double sum = 0;
+    for (std::size_t j = 0; j < x.size(); ++j) {
+      want[j] = std::exp(x[j] - shift);
+      sum += double(want[j]);
+    }
+    std::vector<T> got = x;
+    const T got_sum = Exp::run(got.data(), n, shift);
+    for (std::size_t j = 0; j < x.size(); ++j) {
+      if (std::isinf(x[j]) && Exp::kExpZeroesMasked) {
+        EXPECT_EQ(got[j], T(0)) << "n " << n << " j " << j;
+      }
+      // A few ulp where the result is a normal number; below that (exp(-87) and less) it may flush to 0.
+      const double tol = double(want[j]) >= double(std::numeric_limits<T>::min())
+                             ? 4 * std::numeric_limits<T>::epsilon() * double(want[j])
+                             : double(std::numeric_limits<T>::min());
+      EXPECT_NEAR(double(got[j]), double(want[j]), tol) << "n " << n << " j " << j << " x " << x[j];
+    }
+    EXPECT_NEAR(double(got_sum), sum, 8 * std::numeric_limits<T>::epsilon() * sum) << "n " << n;
+  }
+  T nan_row[3] = {shift, std::numeric_limits<T>::quiet_NaN(), shift - 1};
+  EXPECT_TRUE(std::isnan(Exp::run(nan_row, 3, shift)));
+  EXPECT_TRUE(std::isnan(nan_row[1]));
+}
+
+TEST(ShiftedExp, MatchesStdExp) {
+  check_shifted_exp<float, sdpa::kernels::detail::ShiftedExp<float>>();
+  check_shifted_exp<float, sdpa::kernels::detail::PortableShiftedExp<float>>();
+  check_shifted_exp<double, sdpa::kernels::detail::ShiftedExp<double>>();
 }
 
 TEST(TileConfig, DerivedFromTheCaches) {
@@ -617,21 +734,29 @@ TEST(TileConfig, DerivedFromTheCaches) {
   for (Index l2 : {Index(256) << 10, Index(512) << 10, Index(1) << 20, Index(2) << 20})
     for (Index bytes : {4, 8})
       for (Index d : {8, 64, 128, 256}) {
-        const TileConfig c = TileConfig::for_caches(bytes, d, d, 32 << 10, l2);
-        EXPECT_TRUE(is_pow2(c.block_q) && is_pow2(c.block_k)) << c.block_q << "x" << c.block_k;
+        const TileConfig c = TileConfig::for_caches(bytes, d, d, l2);
+        EXPECT_TRUE(is_pow2(c.block_q) && is_pow2(c.block_k) && is_pow2(c.group))
+            << c.block_q << "x" << c.block_k << "x" << c.group;
         EXPECT_GE(c.block_q, 16);
         EXPECT_LE(c.block_q, 256);
-        EXPECT_GE(c.block_k, 32);
+        EXPECT_GE(c.block_k, 16);
         EXPECT_LE(c.block_k, 512);
+        EXPECT_GE(c.group, 1);
+        EXPECT_LE(c.group, 8);
+        // What Eigen packs for the products fits its stack buffers.
+        const Index limit = EIGEN_STACK_ALLOCATION_LIMIT;
+        EXPECT_LE(c.block_k * d * bytes, limit);
+        EXPECT_LE(c.block_q * d * bytes, limit);
+        EXPECT_LE(c.block_q * c.block_k * bytes, limit);
         // A larger L2 never gives smaller blocks.
-        const TileConfig bigger = TileConfig::for_caches(bytes, d, d, 32 << 10, 2 * l2);
-        EXPECT_GE(bigger.block_q * bigger.block_k, c.block_q * c.block_k);
+        const TileConfig bigger = TileConfig::for_caches(bytes, d, d, 2 * l2);
+        EXPECT_GE(bigger.block_q * bigger.block_k * bigger.group, c.block_q * c.block_k * c.group);
       }
   const TileConfig here = TileConfig::for_problem<float>(64, 64);
-  const TileConfig rule = TileConfig::for_caches(4, 64, 64, static_cast<Index>(Eigen::l1CacheSize()),
-                                                 static_cast<Index>(Eigen::l2CacheSize()));
+  const TileConfig rule = TileConfig::for_caches(4, 64, 64, static_cast<Index>(Eigen::l2CacheSize()));
   EXPECT_EQ(here.block_q, rule.block_q);
   EXPECT_EQ(here.block_k, rule.block_k);
+  EXPECT_EQ(here.group, rule.group);
 }
 
 // The tile loop runs on scratch sized once per chunk of work: with Eigen's heap allocation forbidden the

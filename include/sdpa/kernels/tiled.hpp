@@ -1,11 +1,13 @@
 // The tiled attention core (FlashAttention's online softmax on the CPU): per (batch, head, block of queries)
 // it walks blocks of keys, forms one tile of scores with an Eigen matrix product on the strided q/k rows,
 // folds the tile into a running row max, row sum and output accumulator, and adds the tile's probabilities
-// times v with a second product; the output is divided by the sum at the end. Memory is one tile of scores
-// per worker whatever the sequence lengths. Tiles whose every score is masked are skipped without a product,
-// so a causal mask halves the work. Dropout is fused and asks the shared DropoutSampler for every element,
-// so it drops exactly what reference_attention drops. TileConfig holds the block sizes, derived from the
-// cache sizes unless a caller (a test) forces them.
+// times v with a second product; the output is divided by the sum at the end. A few query blocks take turns
+// on each key block so that its k and v rows are fetched once for all of them. Memory is one tile of scores
+// plus the group's accumulators per worker, whatever the sequence lengths. Tiles whose every score is
+// masked are skipped without a product (each mask row is summarised once as its run of unmasked keys), so a
+// causal mask halves the work. Dropout is fused and asks the shared DropoutSampler for every element, so it
+// drops exactly what reference_attention drops. TileConfig holds the block sizes, derived from the cache
+// sizes unless a caller (a test) forces them.
 #pragma once
 
 #define EIGEN_USE_THREADS
@@ -17,53 +19,78 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/parallel.hpp"
 
+// Eigen 3.4's GEMM building blocks (its internal packing routines and block-panel kernel, unchanged
+// through 3.4.x) let a worker pack each k and v block once for its whole query group and each q block once
+// for all key blocks, where a public product packs all three again for every tile (measured 6% faster
+// overall at d = 64, where packing took some 12% of the time). With another Eigen (or SDPA_TILED_PACKED_PRODUCTS defined to 0) every tile goes through
+// the public product, as tiles trimmed by a mask always do.
+#ifndef SDPA_TILED_PACKED_PRODUCTS
+#if EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4
+#define SDPA_TILED_PACKED_PRODUCTS 1
+#else
+#define SDPA_TILED_PACKED_PRODUCTS 0
+#endif
+#endif
+
 namespace sdpa {
 namespace kernels {
 
-// Block sizes of the tiled kernel: block_q queries share each pass over the keys, block_k keys make one
-// tile. A zero field means "derive it from the caches" (for_problem), so TileConfig{} is the default and a
-// test can force tiny blocks with TileConfig{4, 8}.
+// Block sizes of the tiled kernel: block_k keys make one tile with block_q queries, and `group` query
+// blocks take turns on each key block (so that its k and v come from cache after the first). A zero field
+// means "derive it from the caches" (for_problem), so TileConfig{} is the default and a test can force
+// tiny blocks with TileConfig{4, 8}.
 struct TileConfig {
   Eigen::Index block_q = 0;
   Eigen::Index block_k = 0;
+  Eigen::Index group = 0;
 
-  // The rule, for `scalar_bytes`-wide elements and the given per-core cache sizes in bytes. The score tile
-  // (block_q x block_k) is written by one product and read by the softmax and the next product, so it
-  // should stay in L2 together with the blocks the products pack: budget half of L2 for the tile, the
-  // q block, the k and v blocks and the output accumulator. Within that, block_k is as long as keeps one
-  // k block plus one v block within L1 (Eigen packs them for the products and the softmax streams score
-  // rows of that length), and block_q as large as the L2 budget allows; both are powers of two, block_q in
-  // [16, 256] and block_k in [32, 512], where measurements put Eigen's products near their best speed.
-  static TileConfig for_caches(Eigen::Index scalar_bytes, Eigen::Index d_k, Eigen::Index d_v, Eigen::Index l1_bytes,
+  // The rule, for `scalar_bytes`-wide elements and the per-core L2 size in bytes. Everything a group
+  // touches should stay in L2: the k and v blocks (block_k x (d_k + d_v)) get an eighth of it, the score
+  // tile (block_q x block_k) another eighth, and the group's q rows and output accumulators
+  // (group x block_q x (d_k + d_v)) half, leaving the rest for the copies Eigen packs them into. Each
+  // operand Eigen packs also stays within EIGEN_STACK_ALLOCATION_LIMIT, so that the products take their
+  // buffers from the stack, never the heap. Sizes are powers of two, block_k in [16, 512], block_q in
+  // [16, 256] and group in [1, 8]. (Measured on a 1 MiB L2, float, d = 64: 128 x 256 tiles in groups of
+  // 8 ran about as fast as any other shape from 64 x 512 to 256 x 256, and groups of 4-8 about 10% faster
+  // than no groups.)
+  static TileConfig for_caches(Eigen::Index scalar_bytes, Eigen::Index d_k, Eigen::Index d_v,
                                Eigen::Index l2_bytes) noexcept {
     scalar_bytes = std::max<Eigen::Index>(1, scalar_bytes);
     d_k = std::max<Eigen::Index>(1, d_k);
     d_v = std::max<Eigen::Index>(1, d_v);
-    l1_bytes = std::max<Eigen::Index>(l1_bytes, 16 * 1024);
-    l2_bytes = std::max<Eigen::Index>(l2_bytes, 4 * l1_bytes);
+    l2_bytes = std::max<Eigen::Index>(l2_bytes, 128 * 1024);
     const auto floor_pow2 = [](Eigen::Index x) {
       Eigen::Index p = 1;
       while (2 * p <= x) p *= 2;
       return p;
     };
+    const Eigen::Index eighth = l2_bytes / 8 / scalar_bytes;  // in elements
+    const Eigen::Index packed = static_cast<Eigen::Index>(EIGEN_STACK_ALLOCATION_LIMIT) / scalar_bytes;
     TileConfig c;
-    c.block_k = std::clamp<Eigen::Index>(floor_pow2(2 * l1_bytes / (scalar_bytes * (d_k + d_v))), 32, 512);
-    const Eigen::Index budget = l2_bytes / 2 / scalar_bytes - c.block_k * (d_k + d_v);
-    c.block_q = std::clamp<Eigen::Index>(floor_pow2(std::max<Eigen::Index>(1, budget / (c.block_k + d_k + d_v))),
-                                         16, 256);
+    c.block_k = std::clamp<Eigen::Index>(
+        floor_pow2(std::min(eighth / (d_k + d_v), packed / std::max(d_k, d_v))), 16, 512);
+    c.block_q = std::clamp<Eigen::Index>(
+        floor_pow2(std::min({std::min(eighth, packed) / c.block_k, packed / d_k})), 16, 256);
+    c.group = std::clamp<Eigen::Index>(floor_pow2(4 * eighth / (c.block_q * (d_k + d_v))), 1, 8);
     return c;
   }
 
   template <typename Scalar>
   static TileConfig for_problem(Eigen::Index d_k, Eigen::Index d_v) noexcept {
     return for_caches(static_cast<Eigen::Index>(sizeof(Scalar)), d_k, d_v,
-                      static_cast<Eigen::Index>(Eigen::l1CacheSize()), static_cast<Eigen::Index>(Eigen::l2CacheSize()));
+                      static_cast<Eigen::Index>(Eigen::l2CacheSize()));
   }
 };
 
@@ -81,7 +108,7 @@ namespace detail {
 // out as a tiny positive number rather than 0, and the caller zeroes masked entries again
 // (kExpZeroesMasked says whether it must).
 template <typename Scalar>
-struct ShiftedExp {
+struct PortableShiftedExp {
   static constexpr bool kExpZeroesMasked = false;
   static Scalar run(Scalar* x, Eigen::Index n, Scalar shift) noexcept {
     Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
@@ -89,6 +116,9 @@ struct ShiftedExp {
     return a.sum();
   }
 };
+
+template <typename Scalar>
+struct ShiftedExp : PortableShiftedExp<Scalar> {};
 
 #if defined(__AVX512F__)
 // With AVX-512 the float exp is the softmax's bottleneck, and the instruction set offers a cheaper one
@@ -142,7 +172,82 @@ struct ShiftedExp<float> {
 };
 #endif
 
-// One worker's scratch and the per-(batch, head, query block) loop. The scratch is plain std::vector
+// Where the unmasked keys of one mask row lie: all in [lo, hi), and when `solid` every key of [lo, hi) is
+// unmasked (one run; none when lo == hi). Causal, key-padding and sliding-window rows are solid, and a
+// tile classifies them without reading the mask.
+struct MaskRun {
+  Eigen::Index lo = 0, hi = 0;
+  bool solid = true;
+};
+
+// One MaskRun per distinct row of a broadcast mask, computed once before the tiles (in parallel): the
+// mask's broadcast dimensions stay broadcast, so a causal (1, 1, nq, nk) mask gives nq runs for every
+// batch and head.
+class MaskRuns {
+ public:
+  using Index = Eigen::Index;
+
+  MaskRuns(const BroadcastView<bool>& mask, Index batch, Index heads, Index nq, Index nk,
+           const Eigen::ThreadPoolDevice* device)
+      : mask_(mask),
+        nh_(mask.stride[1] != 0 ? heads : 1),
+        nr_(mask.stride[2] != 0 ? nq : 1),
+        runs_(static_cast<std::size_t>((mask.stride[0] != 0 ? batch : 1) * nh_ * nr_)) {
+    const Index n = static_cast<Index>(runs_.size());
+    parallel_for(device, n, balanced_grain(device, n), [&](Index r0, Index r1) {
+      for (Index r = r0; r < r1; ++r) {
+        const Index q = r % nr_, bh = r / nr_;
+        runs_[static_cast<std::size_t>(r)] = row_run(mask_.data + mask_.row_offset(bh / nh_, bh % nh_, q), nk);
+      }
+    });
+  }
+
+  const MaskRun& operator()(Index b, Index h, Index q) const noexcept {
+    const Index r = ((mask_.stride[0] != 0 ? b : 0) * nh_ + (mask_.stride[1] != 0 ? h : 0)) * nr_ +
+                    (mask_.stride[2] != 0 ? q : 0);
+    return runs_[static_cast<std::size_t>(r)];
+  }
+
+ private:
+  MaskRun row_run(const bool* m, Index nk) const noexcept {
+    const Index stride = mask_.stride[3];
+    MaskRun run;
+    if (stride == 0) {
+      run.hi = m[0] ? 0 : nk;
+      return run;
+    }
+    if (stride == 1) {
+      // memchr is the library's fastest byte scan; a bool is stored as 0 or 1.
+      const unsigned char* bytes = reinterpret_cast<const unsigned char*>(m);
+      const void* first = std::memchr(bytes, 0, static_cast<std::size_t>(nk));
+      if (first == nullptr) return run;  // every key masked
+      run.lo = static_cast<const unsigned char*>(first) - bytes;
+      const void* next = std::memchr(bytes + run.lo, 1, static_cast<std::size_t>(nk - run.lo));
+      run.hi = next == nullptr ? nk : static_cast<const unsigned char*>(next) - bytes;
+      std::uint32_t rest = 0;  // masked keys after the first run: all of them when the row is solid
+      for (Index j = run.hi; j < nk; ++j) rest += bytes[j];
+      if (static_cast<Index>(rest) == nk - run.hi) return run;
+    } else {
+      while (run.lo < nk && m[run.lo * stride]) ++run.lo;
+      if (run.lo == nk) return {};
+      run.hi = run.lo;
+      while (run.hi < nk && !m[run.hi * stride]) ++run.hi;
+      Index j = run.hi;
+      while (j < nk && m[j * stride]) ++j;
+      if (j == nk) return run;
+    }
+    run.solid = false;
+    run.hi = nk;
+    while (m[(run.hi - 1) * stride]) --run.hi;
+    return run;
+  }
+
+  BroadcastView<bool> mask_;
+  Index nh_, nr_;
+  std::vector<MaskRun> runs_;
+};
+
+// One worker's scratch and the per-(batch, head, query group) loop. The scratch is plain std::vector
 // storage behind Eigen Maps, sized once per chunk of work; the tile loop allocates nothing.
 template <typename Scalar>
 class TiledWorker {
@@ -151,145 +256,69 @@ class TiledWorker {
   using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using ConstRows = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
   using Rows = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
-  using ColMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
-  using ConstCols = Eigen::Map<const ColMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
-  using Cols = Eigen::Map<ColMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
-  using RowArray = Eigen::Array<Scalar, 1, Eigen::Dynamic>;
 
-  TiledWorker(const AttentionProblem<Scalar>& p, Index block_q, Index block_k)
+  TiledWorker(const AttentionProblem<Scalar>& p, const MaskRuns* runs, Index block_q, Index block_k, Index group)
       : p_(p),
+        runs_(runs),
         bq_(block_q),
         bk_(block_k),
         // Score rows padded to a whole cache line so that each row the softmax reads starts on one.
         s_stride_((block_k + kLine - 1) / kLine * kLine),
         s_buf_(static_cast<std::size_t>(block_q * s_stride_ + kLine)),
-        o_buf_(static_cast<std::size_t>(block_q * p.d_v + kLine)),
-        q_buf_(static_cast<std::size_t>(block_q * p.d_k + kLine)),
-        m_(static_cast<std::size_t>(block_q)),
-        l_(static_cast<std::size_t>(block_q)),
+        o_buf_(static_cast<std::size_t>(group * block_q * p.d_v + kLine)),
+        q_buf_(static_cast<std::size_t>(group * block_q * p.d_k + kLine)),
+        m_(static_cast<std::size_t>(group * block_q)),
+        l_(static_cast<std::size_t>(group * block_q)),
         state_(static_cast<std::size_t>(block_q)),
         first_(static_cast<std::size_t>(block_q)),
-        last_(static_cast<std::size_t>(block_q)) {}
-
-  // Copies the k and v rows of (b, h) into contiguous storage that run() then reads instead of p.k/p.v:
-  // k as one column-major (block_k x d_k) panel per key block, v row-major. Rows of one head lie
-  // row_stride apart (heads * d_k or more), so reading them in place touches a few cache lines per key in
-  // pages far apart, and the score product's packing must transpose row-major k; it pays that on every
-  // tile, while a worker that serves several query blocks of the head pays for one copy instead.
-  void stage(Index b, Index h) {
-    const AttentionProblem<Scalar>& p = p_;
-    const Index k_blocks = (p.nk + bk_ - 1) / bk_;
-    const Index k_size = (k_blocks * bk_ * p.d_k + kLine - 1) / kLine * kLine;
-    kv_buf_.resize(static_cast<std::size_t>(k_size + p.nk * p.d_v + kLine));
-    Scalar* k = aligned(kv_buf_);
-    Scalar* v = k + k_size;
-    for (Index kb = 0; kb < k_blocks; ++kb) {
-      const Index k0 = kb * bk_, cols = std::min(bk_, p.nk - k0);
-      Cols(k + kb * bk_ * p.d_k, cols, p.d_k, Eigen::OuterStride<>(bk_)) =
-          ConstRows(p.k.row(b, h, k0), cols, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
-    }
-    for (Index j = 0; j < p.nk; ++j) std::copy_n(p.v.row(b, h, j), p.d_v, v + j * p.d_v);
-    staged_k_ = k;
-    staged_v_ = v;
-    staged_bh_ = b * p.heads + h;
+        last_(static_cast<std::size_t>(block_q)) {
+#if SDPA_TILED_PACKED_PRODUCTS
+    // One cache-line-aligned slot per query block: the kernel's loads from packed operands are aligned.
+    q_slot_ = (block_q * p.d_k + kLine - 1) / kLine * kLine;
+    packed_q_.resize(static_cast<std::size_t>(group * q_slot_ + 2 * kLine));
+    packed_k_.resize(static_cast<std::size_t>(block_k * p.d_k + 2 * kLine));
+    packed_v_.resize(static_cast<std::size_t>(block_k * p.d_v + 2 * kLine));
+    packed_p_.resize(static_cast<std::size_t>(block_k * block_q + 2 * kLine));
+    q_packed_.resize(static_cast<std::size_t>(group));
+#endif
   }
 
-  // Attention output rows q0 .. q0 + rows - 1 of (batch b, head h), written to p.out.
+  // Attention output rows q0 .. q0 + rows - 1 of (batch b, head h), written to p.out; rows is at most
+  // group * block_q. The query blocks of the group take turns on each key block, so that block's k and v
+  // are read from memory once and from cache by the others.
   void run(Index b, Index h, Index q0, Index rows) {
     const AttentionProblem<Scalar>& p = p_;
-    const Index bh = b * p.heads + h;
-    const bool staged = staged_bh_ == bh;
-    const Scalar* v_base = staged ? staged_v_ : p.v.row(b, h, 0);
-    const Index v_stride = staged ? p.d_v : p.v.row_stride;
-    Scalar* s_data = aligned(s_buf_);
-    Scalar* o_data = aligned(o_buf_);
-    Rows s(s_data, rows, bk_, Eigen::OuterStride<>(s_stride_));
-    Rows o(o_data, rows, p.d_v, Eigen::OuterStride<>(p.d_v));
+    Rows o(aligned(o_buf_), rows, p.d_v, Eigen::OuterStride<>(p.d_v));
     o.setZero();
     std::fill(m_.begin(), m_.begin() + rows, -kInf);
     std::fill(l_.begin(), l_.begin() + rows, Scalar(0));
 
-    // The q block is packed again for every tile: a contiguous copy keeps it within a few pages.
+    // Public products pack the q block again for every tile: a contiguous copy keeps it within a few
+    // pages. (Packed products pack each q block once, from where it lies.)
     const Scalar* q_data = p.q.row(b, h, q0);
     Index q_stride = p.q.row_stride;
-    if (q_stride != p.d_k && rows > 1) {
+    if (!SDPA_TILED_PACKED_PRODUCTS && q_stride != p.d_k && rows > 1) {
       Scalar* q_copy = aligned(q_buf_);
       for (Index i = 0; i < rows; ++i) std::copy_n(p.q.row(b, h, q0 + i), p.d_k, q_copy + i * p.d_k);
       q_data = q_copy;
       q_stride = p.d_k;
     }
     const ConstRows q(q_data, rows, p.d_k, Eigen::OuterStride<>(q_stride));
-    // With p = 1 every probability is dropped: the scores still decide which rows are fully masked, but
-    // nothing reaches the output, so the second product is pointless.
-    const bool accumulate = !(p.dropout && p.keep_scale == Scalar(0));
+#if SDPA_TILED_PACKED_PRODUCTS
+    std::fill(q_packed_.begin(), q_packed_.end(), false);
+    packed_k0_ = -1;
+#endif
 
     for (Index k0 = 0; k0 < p.nk; k0 += bk_) {
       const Index cols = std::min(bk_, p.nk - k0);
-      Index i0 = 0, i1 = rows, j0 = 0, j1 = cols;
-      bool any_masked = false;
-      if (p.mask) {
-        if (!classify_tile(b, h, q0, rows, k0, cols, i0, i1, j0, j1, any_masked)) {
-          ++stats_.tiles_skipped;
-          continue;
-        }
-      }
-      ++stats_.tiles_computed;
-      const Index ni = i1 - i0, nj = j1 - j0;
-      auto s_tile = s.block(i0, j0, ni, nj);
-      // The scale rides on the product as its alpha: dot * scale, as the reference rounds it.
-      if (staged) {
-        const ConstCols k(staged_k_ + k0 * p.d_k + j0, nj, p.d_k, Eigen::OuterStride<>(bk_));
-        s_tile.noalias() = (p.scale * q.middleRows(i0, ni)) * k.transpose();
-      } else {
-        const ConstRows k(p.k.row(b, h, k0 + j0), nj, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
-        s_tile.noalias() = (p.scale * q.middleRows(i0, ni)) * k.transpose();
-      }
-
-      for (Index i = i0; i < i1; ++i) {
-        auto row = s.row(i).segment(j0, nj).array();
-        const std::size_t si = static_cast<std::size_t>(i);
-        if (any_masked && state_[si] == kClosed) {
-          row.setZero();  // this query sees none of these keys: the tile adds nothing to its row
-          continue;
-        }
-        if (p.weights) apply_weights(row, b, h, q0 + i, k0 + j0);
-        const bool mixed = any_masked && state_[si] == kMixed;
-        if (mixed) apply_mask(row, b, h, q0 + i, k0 + j0, -kInf);
-        const Scalar tile_max = row.maxCoeff();
-        if (tile_max == -kInf) {
-          // Only when weights or scores are -inf themselves: keep the running state, add nothing.
-          row.setZero();
-          continue;
-        }
-        const Scalar m_old = m_[si];
-        const Scalar m_new = std::max(m_old, tile_max);
-        Scalar tile_sum = ShiftedExp<Scalar>::run(&row(0), nj, m_new);
-        // Masked keys must contribute exactly nothing, as in the reference.
-        if (mixed && !ShiftedExp<Scalar>::kExpZeroesMasked) {
-          apply_mask(row, b, h, q0 + i, k0 + j0, Scalar(0));
-          tile_sum = row.sum();
-        }
-        if (m_old == -kInf) {
-          l_[si] = tile_sum;  // first keys this row sees: the accumulator is still zero
-        } else if (m_new != m_old) {
-          const Scalar alpha = std::exp(m_old - m_new);
-          l_[si] = l_[si] * alpha + tile_sum;
-          o.row(i) *= alpha;
-        } else {
-          l_[si] += tile_sum;
-        }
-        m_[si] = m_new;
-        // The sum above is over every probability, dropped or not (the reference normalises before it
-        // drops); only the kept ones, scaled by 1 / (1 - p), reach the output.
-        if (p.dropout && accumulate) apply_dropout(row, bh, q0 + i, k0 + j0);
-      }
-
-      if (accumulate) {
-        const ConstRows v(v_base + (k0 + j0) * v_stride, nj, p.d_v, Eigen::OuterStride<>(v_stride));
-        o.middleRows(i0, ni).noalias() += s_tile * v;
+      for (Index r0 = 0; r0 < rows; r0 += bq_) {
+        const Index n = std::min(bq_, rows - r0);
+        tile(b, h, q0, r0, n, k0, cols, q.middleRows(r0, n), o.middleRows(r0, n));
       }
     }
 
+    // With p = 1 nothing reaches the output: every row that saw a key gets 0.
+    const bool accumulate = !(p.dropout && p.keep_scale == Scalar(0));
     for (Index i = 0; i < rows; ++i) {
       Scalar* out = p.out.row(b, h, q0 + i);
       const std::size_t si = static_cast<std::size_t>(i);
@@ -309,6 +338,131 @@ class TiledWorker {
   const TileStats& stats() const noexcept { return stats_; }
 
  private:
+  // One tile: queries q0 + r0 .. q0 + r0 + rows - 1 (rows of the group from r0) against keys k0 .. k0 +
+  // cols - 1. q and o are those rows of the group's q and output accumulator.
+  template <typename QRows, typename ORows>
+  void tile(Index b, Index h, Index q0, Index r0, Index rows, Index k0, Index cols, const QRows& q, ORows o) {
+    const AttentionProblem<Scalar>& p = p_;
+    Index i0 = 0, i1 = rows, j0 = 0, j1 = cols;
+    bool any_masked = false;
+    if (p.mask && !classify_tile(b, h, q0 + r0, rows, k0, cols, i0, i1, j0, j1, any_masked)) {
+      ++stats_.tiles_skipped;
+      return;
+    }
+    ++stats_.tiles_computed;
+    const Index ni = i1 - i0, nj = j1 - j0;
+    Rows s(aligned(s_buf_), rows, bk_, Eigen::OuterStride<>(s_stride_));
+    auto s_tile = s.block(i0, j0, ni, nj);
+#if SDPA_TILED_PACKED_PRODUCTS
+    const bool packed = ni == rows && nj == cols;  // a tile the mask trimmed takes the public product
+#else
+    constexpr bool packed = false;
+#endif
+    // The scale rides on the product as its alpha: dot * scale, as the reference rounds it.
+    if (packed) {
+      packed_scores(b, h, r0, rows, k0, cols, q, s.data());
+    } else {
+      const ConstRows k(p.k.row(b, h, k0 + j0), nj, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
+      s_tile.noalias() = (p.scale * q.middleRows(i0, ni)) * k.transpose();
+    }
+
+    const bool accumulate = !(p.dropout && p.keep_scale == Scalar(0));
+    const Index bh = b * p.heads + h;
+    for (Index i = i0; i < i1; ++i) {
+      auto row = s.row(i).segment(j0, nj).array();
+      const std::size_t ti = static_cast<std::size_t>(i), gi = static_cast<std::size_t>(r0 + i);
+      if (any_masked && state_[ti] == kClosed) {
+        row.setZero();  // this query sees none of these keys: the tile adds nothing to its row
+        continue;
+      }
+      const Index qi = q0 + r0 + i;
+      if (p.weights) apply_weights(row, b, h, qi, k0 + j0);
+      const bool mixed = any_masked && state_[ti] == kMixed;
+      if (mixed) apply_mask(row, b, h, qi, k0 + j0, -kInf);
+      const Scalar tile_max = row.maxCoeff();
+      if (tile_max == -kInf) {
+        // Only when weights or scores are -inf themselves: keep the running state, add nothing.
+        row.setZero();
+        continue;
+      }
+      const Scalar m_old = m_[gi];
+      const Scalar m_new = std::max(m_old, tile_max);
+      Scalar tile_sum = ShiftedExp<Scalar>::run(&row(0), nj, m_new);
+      // Masked keys must contribute exactly nothing, as in the reference.
+      if (mixed && !ShiftedExp<Scalar>::kExpZeroesMasked) {
+        apply_mask(row, b, h, qi, k0 + j0, Scalar(0));
+        tile_sum = row.sum();
+      }
+      if (m_old == -kInf) {
+        l_[gi] = tile_sum;  // first keys this row sees: its accumulator is still zero
+      } else if (m_new != m_old) {
+        // exp(m_old - m_new) with both finite: never the NaN of exp(-inf - -inf).
+        const Scalar alpha = std::exp(m_old - m_new);
+        l_[gi] = l_[gi] * alpha + tile_sum;
+        o.row(i) *= alpha;
+      } else {
+        l_[gi] += tile_sum;
+      }
+      m_[gi] = m_new;
+      // The sum above is over every probability, dropped or not (the reference normalises before it
+      // drops); only the kept ones, scaled by 1 / (1 - p), reach the output.
+      if (p.dropout && accumulate) apply_dropout(row, bh, qi, k0 + j0);
+    }
+
+    if (accumulate && packed) {
+      packed_accumulate(rows, cols, s.data(), o.data());
+    } else if (accumulate) {
+      const ConstRows v(p.v.row(b, h, k0 + j0), nj, p.d_v, Eigen::OuterStride<>(p.v.row_stride));
+      o.middleRows(i0, ni).noalias() += s_tile * v;
+    }
+  }
+
+#if SDPA_TILED_PACKED_PRODUCTS
+  // The two products of an untrimmed tile on Eigen's block-panel kernel, as Eigen's own GEMM runs them
+  // for a row-major result: s^T = k q^T and o^T += v^T p^T, column-major. k and v are packed once per key
+  // block (the group's query blocks share them), q once per query block of the group.
+  using Traits = Eigen::internal::gebp_traits<Scalar, Scalar>;
+  using RowMapper = Eigen::internal::const_blas_data_mapper<Scalar, Index, Eigen::RowMajor>;
+  using ColMapper = Eigen::internal::const_blas_data_mapper<Scalar, Index, Eigen::ColMajor>;
+  using ResMapper = Eigen::internal::blas_data_mapper<Scalar, Index, Eigen::ColMajor, Eigen::Unaligned, 1>;
+  using PackRowLhs = Eigen::internal::gemm_pack_lhs<Scalar, Index, RowMapper, Traits::mr, Traits::LhsProgress,
+                                                     typename Traits::LhsPacket4Packing, Eigen::RowMajor>;
+  using PackColLhs = Eigen::internal::gemm_pack_lhs<Scalar, Index, ColMapper, Traits::mr, Traits::LhsProgress,
+                                                     typename Traits::LhsPacket4Packing, Eigen::ColMajor>;
+  using PackRhs = Eigen::internal::gemm_pack_rhs<Scalar, Index, ColMapper, Traits::nr, Eigen::ColMajor>;
+  using Kernel = Eigen::internal::gebp_kernel<Scalar, Scalar, Index, ResMapper, Traits::mr, Traits::nr>;
+
+  // s (rows x cols, row stride s_stride_) = scale * q k^T for the group's rows r0 ... and keys k0 ...
+  template <typename QRows>
+  void packed_scores(Index b, Index h, Index r0, Index rows, Index k0, Index cols, const QRows& q, Scalar* s) {
+    const AttentionProblem<Scalar>& p = p_;
+    if (packed_k0_ != k0) {
+      PackRowLhs()(aligned(packed_k_), RowMapper(p.k.row(b, h, k0), p.k.row_stride), p.d_k, cols);
+      PackColLhs()(aligned(packed_v_), ColMapper(p.v.row(b, h, k0), p.v.row_stride), cols, p.d_v);
+      packed_k0_ = k0;
+    }
+    const std::size_t qb = static_cast<std::size_t>(r0 / bq_);
+    Scalar* packed_q = aligned(packed_q_) + static_cast<Index>(qb) * q_slot_;
+    if (!q_packed_[qb]) {
+      PackRhs()(packed_q, ColMapper(q.data(), q.outerStride()), p.d_k, rows);
+      q_packed_[qb] = true;
+    }
+    // The kernel accumulates into its result.
+    for (Index i = 0; i < rows; ++i) std::fill_n(s + i * s_stride_, cols, Scalar(0));
+    Kernel()(ResMapper(s, s_stride_), aligned(packed_k_), packed_q, cols, p.d_k, rows, p.scale);
+  }
+
+  // o (rows x d_v, contiguous) += p v for the tile's probabilities p = s (rows x cols) and the packed v.
+  void packed_accumulate(Index rows, Index cols, const Scalar* s, Scalar* o) {
+    PackRhs()(aligned(packed_p_), ColMapper(s, s_stride_), cols, rows);
+    Kernel()(ResMapper(o, p_.d_v), aligned(packed_v_), aligned(packed_p_), p_.d_v, cols, rows, Scalar(1));
+  }
+#else
+  template <typename QRows>
+  void packed_scores(Index, Index, Index, Index, Index, Index, const QRows&, Scalar*) {}
+  void packed_accumulate(Index, Index, const Scalar*, Scalar*) {}
+#endif
+
   static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
   static constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
   // Per-row masking state within one tile.
@@ -323,10 +477,9 @@ class TiledWorker {
   // [j0, j1) that hold an unmasked score. Returns false when every score of the tile is masked.
   bool classify_tile(Index b, Index h, Index q0, Index rows, Index k0, Index cols, Index& i0, Index& i1, Index& j0,
                      Index& j1, bool& any_masked) {
-    const BroadcastView<bool>& mask = p_.mask;
     // A mask broadcast over queries has one row for the whole tile: classify it once.
-    const Index distinct = mask.stride[2] == 0 ? 1 : rows;
-    for (Index i = 0; i < distinct; ++i) classify_row(i, mask.row_offset(b, h, q0 + i) + k0 * mask.stride[3], cols);
+    const Index distinct = p_.mask.stride[2] == 0 ? 1 : rows;
+    for (Index i = 0; i < distinct; ++i) classify_row(i, b, h, q0 + i, k0, cols);
     for (Index i = distinct; i < rows; ++i) {
       state_[static_cast<std::size_t>(i)] = state_[0];
       first_[static_cast<std::size_t>(i)] = first_[0];
@@ -349,46 +502,44 @@ class TiledWorker {
     return i1 > i0;
   }
 
-  void classify_row(Index i, Index offset, Index cols) {
+  // State of tile row i (query q, keys k0 .. k0 + cols - 1), and its first and last unmasked key in the
+  // tile unless closed. The row's run answers without the mask unless the row has several runs.
+  void classify_row(Index i, Index b, Index h, Index q, Index k0, Index cols) {
     const std::size_t si = static_cast<std::size_t>(i);
-    const Index stride = p_.mask.stride[3];
-    const bool* m = p_.mask.data + offset;
-    if (stride == 0) {
-      state_[si] = m[0] ? kClosed : kOpen;
-      first_[si] = 0;
-      last_[si] = cols - 1;
+    const MaskRun& run = (*runs_)(b, h, q);
+    const Index lo = std::max(run.lo, k0) - k0, hi = std::min(run.hi, k0 + cols) - k0;
+    if (lo >= hi) {
+      state_[si] = kClosed;
       return;
     }
-    // Count the masked keys first: a byte sum the compiler vectorises, and most rows are all or nothing.
+    if (run.solid) {
+      state_[si] = lo == 0 && hi == cols ? kOpen : kMixed;
+      first_[si] = lo;
+      last_[si] = hi - 1;
+      return;
+    }
+    // Several runs: count the masked keys of [lo, hi), a byte sum the compiler vectorises.
+    const Index stride = p_.mask.stride[3];
+    const bool* m = p_.mask.data + p_.mask.row_offset(b, h, q) + k0 * stride;
     Index masked = 0;
     if (stride == 1) {
       const unsigned char* bytes = reinterpret_cast<const unsigned char*>(m);
-      unsigned int chunk = 0;
-      for (Index j = 0; j < cols; ++j) {
-        chunk += bytes[j] != 0;
-        if ((j & 127) == 127) {
-          masked += chunk;
-          chunk = 0;
-        }
-      }
-      masked += chunk;
+      std::uint32_t sum = 0;
+      for (Index j = lo; j < hi; ++j) sum += bytes[j];
+      masked = static_cast<Index>(sum);
     } else {
-      for (Index j = 0; j < cols; ++j) masked += m[j * stride] ? 1 : 0;
+      for (Index j = lo; j < hi; ++j) masked += m[j * stride] ? 1 : 0;
     }
-    if (masked == 0) {
-      state_[si] = kOpen;
-      first_[si] = 0;
-      last_[si] = cols - 1;
-    } else if (masked == cols) {
+    if (masked == hi - lo) {
       state_[si] = kClosed;
-    } else {
-      state_[si] = kMixed;
-      Index f = 0, l = cols - 1;
-      while (m[f * stride]) ++f;
-      while (m[l * stride]) --l;
-      first_[si] = f;
-      last_[si] = l;
+      return;
     }
+    Index f = lo, l = hi - 1;
+    while (m[f * stride]) ++f;
+    while (m[l * stride]) --l;
+    state_[si] = masked == 0 && lo == 0 && hi == cols ? kOpen : kMixed;
+    first_[si] = f;
+    last_[si] = l;
   }
 
   template <typename Row>
@@ -408,11 +559,19 @@ class TiledWorker {
   // Sets the masked entries of a score row (keys k0 ...) to `value`.
   template <typename Row>
   void apply_mask(Row& row, Index b, Index h, Index q, Index k0, Scalar value) const {
+    const Index n = row.size();
+    Scalar* x = &row(0);
+    const MaskRun& run = (*runs_)(b, h, q);
+    if (run.solid) {
+      // Masked are the keys before lo and from hi on.
+      const Index lo = std::clamp<Index>(run.lo - k0, 0, n), hi = std::clamp<Index>(run.hi - k0, lo, n);
+      std::fill(x, x + lo, value);
+      std::fill(x + hi, x + n, value);
+      return;
+    }
     const BroadcastView<bool>& mask = p_.mask;
     const bool* m = mask.data + mask.row_offset(b, h, q) + k0 * mask.stride[3];
     const Index stride = mask.stride[3];
-    const Index n = row.size();
-    Scalar* x = &row(0);
     if (stride == 1) {
       // A contiguous mask row: a loop the compiler turns into masked vector stores.
       const unsigned char* bytes = reinterpret_cast<const unsigned char*>(m);
@@ -429,27 +588,34 @@ class TiledWorker {
   void apply_dropout(Row& row, Index bh, Index q, Index k0) const {
     const DropoutSampler& sampler = p_.sampler;
     const Scalar keep = p_.keep_scale;
-    const Index n = row.size();
-    Scalar* x = &row(0) - k0;  // indexed by the global key
-    const Index end = k0 + n;
+    Scalar* x = &row(0);  // x[k - k0] is key k
+    const Index end = k0 + row.size();
     for (Index k4 = k0 >> 2; 4 * k4 < end; ++k4) {
       const Index lo = std::max(k0, 4 * k4), hi = std::min(end, 4 * k4 + 4);
       bool any = false;
-      for (Index k = lo; k < hi; ++k) any |= x[k] != Scalar(0);
+      for (Index k = lo; k < hi; ++k) any |= x[k - k0] != Scalar(0);
       if (!any) continue;
       const PhiloxCounter bits = sampler.block(bh, q, k4);
-      for (Index k = lo; k < hi; ++k)
-        x[k] = sampler.dropped_bits(bits[static_cast<std::size_t>(k & 3)]) ? Scalar(0) : x[k] * keep;
+      for (Index k = lo; k < hi; ++k) {
+        Scalar& xk = x[k - k0];
+        xk = sampler.dropped_bits(bits[static_cast<std::size_t>(k & 3)]) ? Scalar(0) : xk * keep;
+      }
     }
   }
 
   const AttentionProblem<Scalar>& p_;
+  const MaskRuns* runs_;  // set when p has a mask
   const Index bq_, bk_, s_stride_;
   std::vector<Scalar> s_buf_, o_buf_;
-  std::vector<Scalar> q_buf_, kv_buf_;
-  const Scalar* staged_k_ = nullptr;
-  const Scalar* staged_v_ = nullptr;
-  Index staged_bh_ = -1;
+  std::vector<Scalar> q_buf_;
+#if SDPA_TILED_PACKED_PRODUCTS
+  // Eigen's packed operands: the group's q blocks (which are packed so far), the key block's k and v
+  // (which key block: packed_k0_), and the tile's probabilities.
+  std::vector<Scalar> packed_q_, packed_k_, packed_v_, packed_p_;
+  std::vector<bool> q_packed_;
+  Index q_slot_ = 0;
+  Index packed_k0_ = -1;
+#endif
   std::vector<Scalar> m_, l_;
   std::vector<std::uint8_t> state_;
   std::vector<Index> first_, last_;
@@ -476,24 +642,28 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
   const TileConfig derived = TileConfig::for_problem<Scalar>(p.d_k, p.d_v);
   const Index block_q = std::min(p.nq, config.block_q > 0 ? config.block_q : derived.block_q);
   const Index block_k = std::min(p.nk, config.block_k > 0 ? config.block_k : derived.block_k);
-
   const Index q_blocks = (p.nq + block_q - 1) / block_q;
-  const Index units = p.batch * p.heads * q_blocks;
-  // A few chunks per worker: under a causal mask the query blocks differ in cost, and the shared counter
-  // in parallel_for evens that out; more chunks would stage each head's k and v more often.
+  const Index heads = p.batch * p.heads;
+  Index group = std::min(q_blocks, config.group > 0 ? config.group : derived.group);
+  // Smaller groups when there would be too few of them to keep every worker busy.
+  const Index workers = static_cast<Index>(worker_count(device));
+  const Index wanted = workers == 1 ? 1 : 4 * workers;
+  while (group > 1 && heads * ((q_blocks + group - 1) / group) < wanted) group = (group + 1) / 2;
+  const Index span = group * block_q;  // queries per unit of work
+  const Index groups = (p.nq + span - 1) / span;
+  const Index units = heads * groups;
+  // Several chunks per worker: under a causal mask the query groups differ in cost, and the shared
+  // counter in parallel_for evens that out.
   const Index grain = balanced_grain(device, units, 4);
   std::atomic<Index> computed{0}, skipped{0};
+  std::unique_ptr<detail::MaskRuns> runs;
+  if (p.mask) runs = std::make_unique<detail::MaskRuns>(p.mask, p.batch, p.heads, p.nq, p.nk, device);
   parallel_for(device, units, grain, [&](Index u0, Index u1) {
-    detail::TiledWorker<Scalar> worker(p, block_q, block_k);
+    detail::TiledWorker<Scalar> worker(p, runs.get(), block_q, block_k, group);
     for (Index u = u0; u < u1; ++u) {
-      const Index bh = u / q_blocks, qb = u % q_blocks;
-      const Index q0 = qb * block_q;
-      // Stage the head's k and v when this chunk reads them more than once.
-      if (qb == 0 || u == u0) {
-        const Index uses = std::min(u1, (bh + 1) * q_blocks) - u;
-        if (uses > 1) worker.stage(bh / p.heads, bh % p.heads);
-      }
-      worker.run(bh / p.heads, bh % p.heads, q0, std::min(block_q, p.nq - q0));
+      const Index bh = u / groups, g = u % groups;
+      const Index q0 = g * span;
+      worker.run(bh / p.heads, bh % p.heads, q0, std::min(span, p.nq - q0));
     }
     computed.fetch_add(worker.stats().tiles_computed, std::memory_order_relaxed);
     skipped.fetch_add(worker.stats().tiles_skipped, std::memory_order_relaxed);
