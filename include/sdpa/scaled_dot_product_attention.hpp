@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "sdpa/detail/buffer.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/problem.hpp"
@@ -200,7 +201,6 @@ class ScaledDotProductAttention {
     const Scalar* data;
     std::array<Index, 3> dims;
   };
-  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
   template <typename T>
   static void check_input_type() {
@@ -289,7 +289,7 @@ class ScaledDotProductAttention {
   // The projected q, k, v. Inputs that are the same tensor share one pass and one buffer whose rows
   // hold q | k | v side by side; the kernel reads each head in place through the row strides.
   struct Projected {
-    RowMatrix qkv, kv_only;
+    detail::Buffer<Scalar> qkv, kv_only;
     const Scalar *q = nullptr, *k = nullptr, *v = nullptr;
     Index ldq = 0, ldk = 0, ldv = 0;
   };
@@ -306,7 +306,7 @@ class ScaledDotProductAttention {
     Projected r;
     if (qk_same) {
       const Index ld = 2 * hk + hv;
-      r.qkv.resize(rows_q, ld);
+      r.qkv.reset(static_cast<std::size_t>(rows_q * ld));
       Scalar* base = r.qkv.data();
       kernels::project_rows<Scalar>(qv.data, rows_q, d_model_,
                                     {target(fc_q_, base, ld), target(fc_k_, base + hk, ld), target(fc_v_, base + 2 * hk, ld)},
@@ -317,11 +317,11 @@ class ScaledDotProductAttention {
       r.ldq = r.ldk = r.ldv = ld;
       return r;
     }
-    r.qkv.resize(rows_q, hk);
+    r.qkv.reset(static_cast<std::size_t>(rows_q * hk));
     kernels::project_rows<Scalar>(qv.data, rows_q, d_model_, {target(fc_q_, r.qkv.data(), hk)}, device);
     r.q = r.qkv.data();
     r.ldq = hk;
-    r.kv_only.resize(rows_k, hk + hv);
+    r.kv_only.reset(static_cast<std::size_t>(rows_k * (hk + hv)));
     Scalar* base = r.kv_only.data();
     const Index ld = hk + hv;
     if (kv_same) {
@@ -362,7 +362,7 @@ class ScaledDotProductAttention {
     p.q = {proj.q, nq * proj.ldq, proj.ldq, d_k_};
     p.k = {proj.k, nk * proj.ldk, proj.ldk, d_k_};
     p.v = {proj.v, nk * proj.ldv, proj.ldv, d_v_};
-    RowMatrix att(batch * nq, hv);
+    detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * hv));
     p.out = {att.data(), nq * hv, hv, d_v_};
     p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
     p.masked_rows = masked_rows_;
