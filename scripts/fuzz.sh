@@ -13,6 +13,8 @@ set -euo pipefail
 seconds="${1:-60}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 work="${SDPA_FUZZ_DIR:-$root/build-fuzz}"
+. "$root/scripts/deps.sh"
+sdpa_install_missing clang-14 libfuzzer-14-dev libclang-rt-14-dev libeigen3-dev nlohmann-json3-dev
 cxx="${CXX_FUZZ:-clang++-14}"
 mkdir -p "$work/corpus" "$work/artifacts"
 
