@@ -4,9 +4,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 . "$root/scripts/deps.sh"
-sdpa_install_missing g++ make cmake libeigen3-dev libgtest-dev nlohmann-json3-dev
+sdpa_install_missing g++ make cmake libeigen3-dev libgtest-dev nlohmann-json3-dev libdnnl-dev
 build=${SDPA_BUILD_DIR:-$root/build}
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=ON \
-  -DSDPA_IO=ON ${SDPA_CMAKE_ARGS:-} >/dev/null
+  -DSDPA_IO=ON -DSDPA_ONEDNN=ON -DSDPA_NATIVE=ON ${SDPA_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build" -j "$(nproc)"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)"

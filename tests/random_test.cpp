@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <set>
+#include <vector>
 
 #include "sdpa/random.hpp"
 
@@ -124,6 +125,24 @@ TEST(DropoutSampler, BlockAgreesWithElementwise) {
   for (int k4 = 0; k4 < 16; ++k4) {
     const auto words = s.block(2, 9, k4);
     for (int j = 0; j < 4; ++j) EXPECT_EQ(s.dropped_bits(words[j]), s.dropped(2, 9, 4 * k4 + j));
+  }
+}
+
+// fill_bits (vectorised with AVX-512 in blocks of 16, scalar for the tail) must give block()'s words.
+TEST(DropoutSampler, FillBitsAgreesWithBlock) {
+  sdpa::DropoutSampler s(0x1234567890abcdefULL, 7, 0.4);
+  for (std::int64_t begin : {std::int64_t{0}, std::int64_t{1}, std::int64_t{5}, std::int64_t{1000}, std::int64_t{4294967290}}) {
+    for (std::int64_t blocks : {0, 1, 15, 16, 17, 33, 64}) {
+      std::vector<std::uint32_t> out(static_cast<std::size_t>(4 * blocks) + 1, 0xdeadbeefu);
+      s.fill_bits(11, 3, begin, blocks, out.data());
+      for (std::int64_t i = 0; i < blocks; ++i) {
+        const auto words = s.block(11, 3, begin + i);
+        for (int j = 0; j < 4; ++j)
+          ASSERT_EQ(out[static_cast<std::size_t>(4 * i + j)], words[static_cast<std::size_t>(j)])
+              << "begin " << begin << " block " << i << " word " << j;
+      }
+      EXPECT_EQ(out.back(), 0xdeadbeefu) << "wrote past the end";
+    }
   }
 }
 

@@ -25,17 +25,40 @@ extern "C" void omp_set_num_threads(int);
 namespace sdpa {
 namespace kernels {
 
+// The two products everything else is written with, on row-major memory with leading dimensions. Keeping
+// every caller on these two expression types keeps Eigen's GEMM instantiated twice per Scalar rather than
+// once per call site, which is most of what including sdpa costs in compile time.
+//   gemm_nt: c[m, n] (ldc) = alpha * a[m, k] (lda) * b[n, k]^T (ldb)
+//   gemm_nn_add: c[m, n] (ldc) += a[m, k] (lda) * b[k, n] (ldb)
+template <typename Scalar>
+void gemm_nt(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
+             const Scalar* b, Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> as(a, m, k, Stride(lda)), bs(b, n, k, Stride(ldb));
+  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cs(c, m, n, Stride(ldc));
+  cs.noalias() = (alpha * as) * bs.transpose();
+}
+
+template <typename Scalar>
+void gemm_nn_add(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* b,
+                 Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> as(a, m, k, Stride(lda)), bs(b, k, n, Stride(ldb));
+  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cs(c, m, n, Stride(ldc));
+  cs.noalias() += as * bs;
+}
+
 // y[rows, out] (leading dimension ldy) = x[rows, in] (ldx) * w[out, in]^T + b[out], on this thread.
 template <typename Scalar>
 void gemm_bias_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const Scalar* w,
                     Eigen::Index out, const Scalar* b, Scalar* y, Eigen::Index ldy) {
-  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Stride = Eigen::OuterStride<>;
-  Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> xs(x, rows, in, Stride(ldx));
-  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> ys(y, rows, out, Stride(ldy));
-  const Eigen::Map<const RowMatrix> ws(w, out, in);
-  ys.noalias() = xs * ws.transpose();
-  ys.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(b, out);
+  gemm_nt(rows, out, in, Scalar(1), x, ldx, w, in, y, ldy);
+  Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, Eigen::Unaligned, Stride>(
+      y, rows, out, Stride(ldy))
+      .rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(b, out);
 }
 
 #ifdef SDPA_USE_ONEDNN

@@ -29,6 +29,7 @@
 #endif
 
 #include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/projection.hpp"
 #include "sdpa/parallel.hpp"
 
 // Eigen 3.4's GEMM building blocks (its internal packing routines and block-panel kernel, unchanged
@@ -271,7 +272,8 @@ class TiledWorker {
         l_(static_cast<std::size_t>(group * block_q)),
         state_(static_cast<std::size_t>(block_q)),
         first_(static_cast<std::size_t>(block_q)),
-        last_(static_cast<std::size_t>(block_q)) {
+        last_(static_cast<std::size_t>(block_q)),
+        bits_buf_(p.dropout ? static_cast<std::size_t>(block_k + 8) : 0) {
 #if SDPA_TILED_PACKED_PRODUCTS
     // One cache-line-aligned slot per query block: the kernel's loads from packed operands are aligned.
     q_slot_ = (block_q * p.d_k + kLine - 1) / kLine * kLine;
@@ -362,8 +364,8 @@ class TiledWorker {
     if (packed) {
       packed_scores(b, h, r0, rows, k0, cols, q, s.data());
     } else {
-      const ConstRows k(p.k.row(b, h, k0 + j0), nj, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
-      s_tile.noalias() = (p.scale * q.middleRows(i0, ni)) * k.transpose();
+      gemm_nt(ni, nj, p.d_k, p.scale, q.data() + i0 * q.outerStride(), q.outerStride(), p.k.row(b, h, k0 + j0), p.k.row_stride,
+              &s_tile(0, 0), s.outerStride());
     }
 
     const bool accumulate = !(p.dropout && p.keep_scale == Scalar(0));
@@ -412,8 +414,8 @@ class TiledWorker {
     if (accumulate && packed) {
       packed_accumulate(rows, cols, s.data(), o.data());
     } else if (accumulate) {
-      const ConstRows v(p.v.row(b, h, k0 + j0), nj, p.d_v, Eigen::OuterStride<>(p.v.row_stride));
-      o.middleRows(i0, ni).noalias() += s_tile * v;
+      gemm_nn_add(ni, p.d_v, nj, &s_tile(0, 0), s.outerStride(), p.v.row(b, h, k0 + j0), p.v.row_stride,
+                  &o(i0, 0), o.outerStride());
     }
   }
 
@@ -582,25 +584,17 @@ class TiledWorker {
   }
 
   // Dropout on one row of unnormalised probabilities for keys k0 ...: dropped -> 0, kept -> x * keep_scale.
-  // One Philox call gives the decisions of four keys (4 * k4 .. 4 * k4 + 3); groups whose probabilities are
-  // all zero (masked keys) need no decision.
+  // The row's random words come from one DropoutSampler::fill_bits call (vectorised Philox).
   template <typename Row>
-  void apply_dropout(Row& row, Index bh, Index q, Index k0) const {
+  void apply_dropout(Row& row, Index bh, Index q, Index k0) {
     const DropoutSampler& sampler = p_.sampler;
     const Scalar keep = p_.keep_scale;
     Scalar* x = &row(0);  // x[k - k0] is key k
-    const Index end = k0 + row.size();
-    for (Index k4 = k0 >> 2; 4 * k4 < end; ++k4) {
-      const Index lo = std::max(k0, 4 * k4), hi = std::min(end, 4 * k4 + 4);
-      bool any = false;
-      for (Index k = lo; k < hi; ++k) any |= x[k - k0] != Scalar(0);
-      if (!any) continue;
-      const PhiloxCounter bits = sampler.block(bh, q, k4);
-      for (Index k = lo; k < hi; ++k) {
-        Scalar& xk = x[k - k0];
-        xk = sampler.dropped_bits(bits[static_cast<std::size_t>(k & 3)]) ? Scalar(0) : xk * keep;
-      }
-    }
+    const Index n = row.size();
+    const Index k4_begin = k0 >> 2, blocks = ((k0 + n + 3) >> 2) - k4_begin;
+    sampler.fill_bits(bh, q, k4_begin, blocks, bits_buf_.data());
+    const std::uint32_t* bits = bits_buf_.data() + (k0 - 4 * k4_begin);
+    for (Index j = 0; j < n; ++j) x[j] = sampler.dropped_bits(bits[j]) ? Scalar(0) : x[j] * keep;
   }
 
   const AttentionProblem<Scalar>& p_;
@@ -619,6 +613,7 @@ class TiledWorker {
   std::vector<Scalar> m_, l_;
   std::vector<std::uint8_t> state_;
   std::vector<Index> first_, last_;
+  std::vector<std::uint32_t> bits_buf_;  // one row's dropout words (block_k + 8), sized once per worker
   TileStats stats_;
 };
 
