@@ -464,6 +464,26 @@ def report(args, meta, build, out_dir, main_json, onednn_json):
         L.append(f"| {t[0]} | {t[1]} | {t[2]} | **{t[3]}** |")
     L.append("")
 
+    # How far any implementation could get ahead of LibTorch here: the module's FLOPs at 100% of
+    # dnnl_sgemm's rate (1 thread). A required ratio above this ceiling cannot be met on this machine.
+    ceilings = []
+    for label, cfg in (("demo", "demo"), (f"1x{LONG_N}", f"long/N:{LONG_N}"),
+                       (f"1x{LONG_N} causal", f"causal/N:{LONG_N}")):
+        s1, t1, g = get(main_idx, cfg, "sdpa", 1), get(main_idx, cfg, "torch", 1), sgemm(main_idx, 1)
+        if s1 and t1 and g:
+            gflop = s1.gflops("median") * s1.median_ms / 1000.0
+            ideal_ms = 1000.0 * gflop / g.gflops("median")
+            ceilings.append(f"| {label} | {gflop:.1f} | {ideal_ms:.0f} | {t1.median_ms:.0f} | "
+                            f"{t1.median_ms / ideal_ms:.2f}x |")
+    if ceilings:
+        L.append("### The ceiling of the LibTorch ratios\n")
+        L.append("The module's FLOPs at 100% of the 1-thread dnnl_sgemm rate measured above, against LibTorch's "
+                 "median time: no implementation can beat LibTorch by more than the last column on this machine.\n")
+        L.append("| Case | GFLOP | ms at 100% of sgemm | LibTorch, ms | highest possible LibTorch / sdpa |")
+        L.append("|---|---|---|---|---|")
+        L.extend(ceilings)
+        L.append("")
+
     L.append("## dnnl_sgemm, the machine's limit\n")
     L.append("C = A B^T, M = 2450 (50 x 49 rows), K = 512, N = 4096: the demo's projection shape.\n")
     L.append("| Run | Threads | Time, ms | GFLOP/s |")
