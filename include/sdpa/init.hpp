@@ -226,26 +226,13 @@ struct Constant {
   }
 };
 
-struct Zeros {
-  template <typename TensorT>
-  void operator()(TensorT& t) const {
-    Constant{0.0}(t);
-  }
-  template <typename TensorT, typename Gen>
-  void operator()(TensorT& t, Gen& /*gen*/) const {
-    Constant{0.0}(t);
-  }
+// Constant fills with a fixed value; as named strategies they read better in a policy.
+struct Zeros : Constant {
+  Zeros() noexcept : Constant{0.0} {}
 };
 
-struct Ones {
-  template <typename TensorT>
-  void operator()(TensorT& t) const {
-    Constant{1.0}(t);
-  }
-  template <typename TensorT, typename Gen>
-  void operator()(TensorT& t, Gen& /*gen*/) const {
-    Constant{1.0}(t);
-  }
+struct Ones : Constant {
+  Ones() noexcept : Constant{1.0} {}
 };
 
 struct Normal {
