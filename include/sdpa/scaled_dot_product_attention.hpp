@@ -98,7 +98,7 @@ class ScaledDotProductAttention {
   }
 
   // The original's init: linear weights ~ N(0, 0.001), biases 0, drawn from a Philox generator keyed by
-  // the module's seed (one stream per parameter, so the draw does not depend on the order of layers).
+  // the module's seed (one stream per layer, so a layer's draw does not depend on the others).
   void init_weights() { init_weights(init::ExternalAttentionPolicy{}); }
 
   template <typename Policy>
