@@ -193,6 +193,17 @@ inline Eigen::Index select_fan(const char* where, const Fans& fans, FanMode mode
   throw_invalid(where, "mode", "FanMode::kFanIn or FanMode::kFanOut", static_cast<int>(mode));
 }
 
+// gain * sqrt(2 / (fan_in + fan_out)) of the Xavier strategies, after checking their parameters and the tensor.
+template <typename Gen, typename TensorT>
+double xavier_std(const char* where, const TensorT& t, double gain) {
+  check_target<TensorT>();
+  check_generator<Gen>();
+  check_finite(where, "gain", gain);
+  if (gain < 0.0) throw_invalid(where, "gain", "non-negative", gain);
+  const Fans fans = compute_fans_for(where, t);
+  return gain * std::sqrt(2.0 / static_cast<double>(fans.fan_in + fans.fan_out));
+}
+
 // gain / sqrt(fan) of the Kaiming strategies, after checking their parameters and the tensor.
 template <typename Gen, typename TensorT>
 double kaiming_std(const char* where, const TensorT& t, double a, FanMode mode, Nonlinearity nonlinearity) {
@@ -273,13 +284,8 @@ struct XavierUniform {
 
   template <typename TensorT, typename Gen>
   void operator()(TensorT& t, Gen& gen) const {
-    detail::check_target<TensorT>();
-    detail::check_generator<Gen>();
-    detail::check_finite("init::XavierUniform", "gain", gain);
-    if (gain < 0.0) detail::throw_invalid("init::XavierUniform", "gain", "non-negative", gain);
-    const Fans fans = detail::compute_fans_for("init::XavierUniform", t);
+    const double stddev = detail::xavier_std<Gen>("init::XavierUniform", t, gain);
     if (t.size() == 0) return;
-    const double stddev = gain * std::sqrt(2.0 / static_cast<double>(fans.fan_in + fans.fan_out));
     const double bound = std::sqrt(3.0) * stddev;
     detail::fill_uniform(t, gen, -bound, bound);
   }
@@ -290,13 +296,8 @@ struct XavierNormal {
 
   template <typename TensorT, typename Gen>
   void operator()(TensorT& t, Gen& gen) const {
-    detail::check_target<TensorT>();
-    detail::check_generator<Gen>();
-    detail::check_finite("init::XavierNormal", "gain", gain);
-    if (gain < 0.0) detail::throw_invalid("init::XavierNormal", "gain", "non-negative", gain);
-    const Fans fans = detail::compute_fans_for("init::XavierNormal", t);
+    const double stddev = detail::xavier_std<Gen>("init::XavierNormal", t, gain);
     if (t.size() == 0) return;
-    const double stddev = gain * std::sqrt(2.0 / static_cast<double>(fans.fan_in + fans.fan_out));
     detail::fill_normal(t, gen, 0.0, stddev);
   }
 };
