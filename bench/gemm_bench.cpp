@@ -1,0 +1,286 @@
+// sdpa::gemm against the machine: the FMA peak of the ISA this build targets, sdpa::gemm, Eigen's product
+// and (with SDPA_BENCH_WITH_SGEMM) oneDNN's dnnl_sgemm on the projection shapes of the demo (fused QKV
+// and fc_o at d_model 512) and of the d_k = 64 configuration, plus the attention tiles through the
+// packed API, on 1 and 2 threads. Counters: GFLOPs (rate, 2 m n k per iteration) and pct_peak (the same
+// rate as a share of this run's fma_peak for that thread count; the peak cases are registered first).
+// Run with --benchmark_repetitions=5 --benchmark_report_aggregates_only=true on a quiet machine.
+#include <sdpa/detail/buffer.hpp>
+#include <sdpa/gemm/gemm.hpp>
+
+#include <benchmark/benchmark.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#define EIGEN_USE_THREADS
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#ifdef SDPA_BENCH_WITH_SGEMM
+#include <dnnl.h>
+// From the OpenMP runtime oneDNN runs on (declared here so that this file needs no -fopenmp).
+extern "C" int omp_get_max_threads(void);
+extern "C" void omp_set_num_threads(int);
+#endif
+
+namespace {
+
+using Index = Eigen::Index;
+
+// The best fma_peak rate of this run per thread count, in FLOP/s.
+double g_peak[3] = {0, 0, 0};
+
+// Independent FMA chains: enough accumulators to cover latency x throughput (4 cycles x 2 pipes = 8 on
+// Zen 5; 16 leaves margin) and nothing else in the loop but the counter.
+#if defined(__AVX512F__)
+constexpr int kPeakWidth = 16;
+constexpr int kPeakChains = 16;
+float fma_chains(long iterations) {
+  __m512 acc[kPeakChains];
+  for (int j = 0; j < kPeakChains; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j) * 1e-3f);
+  const __m512 scale = _mm512_set1_ps(0.9999999f), shift = _mm512_set1_ps(1e-7f);
+  for (long i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kPeakChains; ++j) acc[j] = _mm512_fmadd_ps(acc[j], scale, shift);
+  }
+  __m512 sum = acc[0];
+  for (int j = 1; j < kPeakChains; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);  // not _mm512_reduce_add_ps, which GCC 12 reports as reading undefined lanes
+  float total = 0;
+  for (float x : lanes) total += x;
+  return total;
+}
+const char* const kPeakIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kPeakWidth = 8;
+constexpr int kPeakChains = 12;  // of 16 ymm registers, with the two constants
+float fma_chains(long iterations) {
+  __m256 acc[kPeakChains];
+  for (int j = 0; j < kPeakChains; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j) * 1e-3f);
+  const __m256 scale = _mm256_set1_ps(0.9999999f), shift = _mm256_set1_ps(1e-7f);
+  for (long i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kPeakChains; ++j) acc[j] = _mm256_fmadd_ps(acc[j], scale, shift);
+  }
+  __m256 sum = acc[0];
+  for (int j = 1; j < kPeakChains; ++j) sum = _mm256_add_ps(sum, acc[j]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = 0;
+  for (float x : lanes) total += x;
+  return total;
+}
+const char* const kPeakIsa = "avx2";
+#else
+constexpr int kPeakWidth = 1;
+constexpr int kPeakChains = 8;
+float fma_chains(long iterations) {
+  float acc[kPeakChains];
+  for (int j = 0; j < kPeakChains; ++j) acc[j] = static_cast<float>(j) * 1e-3f;
+  for (long i = 0; i < iterations; ++i) {
+    for (int j = 0; j < kPeakChains; ++j) acc[j] = acc[j] * 0.9999999f + 1e-7f;
+  }
+  float total = 0;
+  for (float x : acc) total += x;
+  return total;
+}
+const char* const kPeakIsa = "scalar";
+#endif
+
+void fma_peak(benchmark::State& state) {
+  constexpr long kIterations = 1 << 20;
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    long iterations = kIterations;
+    benchmark::DoNotOptimize(iterations);  // or the compiler hoists the whole loop out of the timing
+    benchmark::DoNotOptimize(fma_chains(iterations));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double flops = 2.0 * kPeakWidth * kPeakChains * static_cast<double>(kIterations);
+  // Each thread reports its own rate and the framework sums the threads' counters; the peak of t threads
+  // is taken as t times thread 0's rate.
+  const double rate = flops * static_cast<double>(state.iterations()) / seconds;
+  state.counters["GFLOPs"] = rate / 1e9;
+  if (state.thread_index() == 0) {
+    const int t = std::min(state.threads(), 2);
+    g_peak[t] = std::max(g_peak[t], rate * state.threads());
+  }
+}
+
+const Eigen::ThreadPoolDevice* device_for(int threads) {
+  if (threads <= 1) return nullptr;  // the calling thread alone
+  static Eigen::ThreadPool pool(2);
+  static Eigen::ThreadPoolDevice device(&pool, 2);
+  return &device;
+}
+
+// Operands live where sdpa keeps its activations: sdpa::detail::Buffer, 64-byte aligned and, from 2 MiB
+// on, on transparent huge pages (as the projections' outputs are), for every implementation alike.
+using Storage = sdpa::detail::Buffer<float>;
+
+Storage random_matrix(Index rows, Index cols, unsigned seed) {
+  Storage m(static_cast<std::size_t>(rows * cols));
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    m.data()[i] = static_cast<float>(seed >> 8) / 16777216.0f - 0.5f;
+  }
+  return m;
+}
+
+// Times `run` (one product of 2 m n k FLOPs per call) and sets the counters.
+void time_product(benchmark::State& state, double flops, int threads, const std::function<void()>& run) {
+  run();  // first-touch of C and any one-time setup stay out of the timing
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    run();
+    benchmark::ClobberMemory();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double rate = flops * static_cast<double>(state.iterations()) / seconds;
+  state.counters["GFLOPs"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["nthreads"] = threads;
+  if (g_peak[threads] > 0) state.counters["pct_peak"] = 100.0 * rate / g_peak[threads];
+}
+
+enum class Op { kNT, kNN };
+
+struct Shape {
+  const char* name;
+  Index m, k, n;
+  Op op;
+};
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// Operands of one shape: a[m, k], b[n, k] (nt) or b[k, n] (nn), c[m, n].
+struct Operands {
+  Storage a, b, c;
+  explicit Operands(const Shape& s)
+      : a(random_matrix(s.m, s.k, 1)), b(random_matrix(s.k, s.n, 2)), c(static_cast<std::size_t>(s.m * s.n)) {}
+  Index ldb(const Shape& s) const { return s.op == Op::kNT ? s.k : s.n; }
+};
+
+void ours(benchmark::State& state, Shape s, int threads) {
+  Operands x(s);
+  const auto* device = device_for(threads);
+  time_product(state, 2.0 * s.m * s.n * s.k, threads, [&]() {
+    if (s.op == Op::kNT) {
+      sdpa::gemm::gemm_nt(s.m, s.n, s.k, 1.0f, x.a.data(), s.k, x.b.data(), s.k, 0.0f, x.c.data(), s.n, device);
+    } else {
+      sdpa::gemm::gemm_nn(s.m, s.n, s.k, 1.0f, x.a.data(), s.k, x.b.data(), s.n, 0.0f, x.c.data(), s.n, device);
+    }
+  });
+}
+
+// The attention tiles through the packed API: B packed once outside the loop (a key or value block shared
+// by the query blocks of a group); with pack_a, A is packed again for every product (a probability block).
+void ours_packed(benchmark::State& state, Shape s, bool pack_a) {
+  Operands x(s);
+  sdpa::gemm::PackedA<float> pa;
+  sdpa::gemm::PackedB<float> pb;
+  if (s.op == Op::kNT) {
+    pb.pack_nt(s.n, s.k, x.b.data(), s.k);
+  } else {
+    pb.pack_nn(s.k, s.n, x.b.data(), s.n);
+  }
+  pa.pack(s.m, s.k, x.a.data(), s.k);
+  time_product(state, 2.0 * s.m * s.n * s.k, 1, [&]() {
+    if (pack_a) pa.pack(s.m, s.k, x.a.data(), s.k);
+    sdpa::gemm::multiply(pa, pb, 1.0f, 0.0f, x.c.data(), s.n);
+  });
+}
+
+// Eigen's product: on the calling thread, or with 2 threads through a tensor contraction on the device.
+void eigen(benchmark::State& state, Shape s, int threads) {
+  Operands x(s);
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Map<const RowMatrix> a(x.a.data(), s.m, s.k);
+  const Eigen::Map<const RowMatrix> b(x.b.data(), s.op == Op::kNT ? s.n : s.k, s.op == Op::kNT ? s.k : s.n);
+  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> c(x.c.data(), s.m, s.n, Stride(s.n));
+  using Tensor2 = Eigen::TensorMap<Eigen::Tensor<const float, 2, Eigen::RowMajor>>;
+  const Tensor2 ta(x.a.data(), s.m, s.k), tb(x.b.data(), b.rows(), b.cols());
+  Eigen::TensorMap<Eigen::Tensor<float, 2, Eigen::RowMajor>> tc(x.c.data(), s.m, s.n);
+  const Eigen::array<Eigen::IndexPair<int>, 1> dims{Eigen::IndexPair<int>(1, s.op == Op::kNT ? 1 : 0)};
+  time_product(state, 2.0 * s.m * s.n * s.k, threads, [&]() {
+    if (threads > 1) {
+      tc.device(*device_for(threads)) = ta.contract(tb, dims);
+    } else if (s.op == Op::kNT) {
+      c.noalias() = a * b.transpose();
+    } else {
+      c.noalias() = a * b;
+    }
+  });
+}
+
+#ifdef SDPA_BENCH_WITH_SGEMM
+void dnnl(benchmark::State& state, Shape s, int threads) {
+  Operands x(s);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  time_product(state, 2.0 * s.m * s.n * s.k, threads, [&]() {
+    const dnnl_status_t st = dnnl_sgemm('N', s.op == Op::kNT ? 'T' : 'N', s.m, s.n, s.k, 1.0f, x.a.data(), s.k,
+                                        x.b.data(), x.ldb(s), 0.0f, x.c.data(), s.n);
+    if (st != dnnl_success) {
+      std::fprintf(stderr, "dnnl_sgemm failed with status %d\n", static_cast<int>(st));
+      std::abort();
+    }
+  });
+  omp_set_num_threads(saved);
+}
+#endif
+
+void register_all() {
+  for (int threads : {1, 2}) {
+    benchmark::RegisterBenchmark((std::string("fma_peak/") + kPeakIsa).c_str(), fma_peak)
+        ->Threads(threads)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  const Shape shapes[] = {
+      {"qkv/M:2450/K:512/N:12288", 2450, 512, 12288, Op::kNT},
+      {"fc_o/M:2450/K:4096/N:512", 2450, 4096, 512, Op::kNT},
+      {"dk64_qkv/M:4096/K:512/N:1536", 4096, 512, 1536, Op::kNT},
+      {"dk64_o/M:4096/K:512/N:512", 4096, 512, 512, Op::kNT},
+      {"tile_qk/M:128/K:64/N:256", 128, 64, 256, Op::kNT},
+      {"tile_pv/M:128/K:256/N:64", 128, 256, 64, Op::kNN},
+  };
+  const std::string isa = sdpa::gemm::isa_name();
+  for (const Shape& s : shapes) {
+    const bool tile = s.m <= 128;
+    for (int threads : {1, 2}) {
+      if (tile && threads > 1) continue;  // a tile is one worker's unit of work
+      const std::string suffix = "/threads:" + std::to_string(threads);
+      auto reg = [&](const std::string& impl, auto fn) {
+        benchmark::RegisterBenchmark((std::string(s.name) + "/" + impl + suffix).c_str(), fn)
+            ->UseRealTime()
+            ->Unit(tile ? benchmark::kMicrosecond : benchmark::kMillisecond);
+      };
+      reg("sdpa_" + isa, [s, threads](benchmark::State& st) { ours(st, s, threads); });
+      if (tile) {
+        reg("sdpa_" + isa + "_packed", [s](benchmark::State& st) { ours_packed(st, s, false); });
+        reg("sdpa_" + isa + "_packed_pack_a", [s](benchmark::State& st) { ours_packed(st, s, true); });
+      }
+      reg("eigen", [s, threads](benchmark::State& st) { eigen(st, s, threads); });
+#ifdef SDPA_BENCH_WITH_SGEMM
+      reg("dnnl_sgemm", [s, threads](benchmark::State& st) { dnnl(st, s, threads); });
+#endif
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,79 @@
+// sdpa's own GEMM, the entry point of include/sdpa/gemm/: row-major products with leading dimensions in
+// elements, for the projections (y = x W^T + b with W in PyTorch's (out, in) layout) and the attention
+// tiles (q k^T, p v). Register-blocked AVX-512 or AVX2 micro-kernels over packed operands, chosen by the
+// compiler's target; Eigen's products otherwise. With an Eigen::ThreadPoolDevice the work is split over
+// rows and columns of C, never over k, so results are bit-identical for any number of threads. Where one
+// operand is reused across many products, packed.hpp keeps it packed (PackedA, PackedB, multiply).
+//
+//   gemm_nt:      C[m, n] = alpha * A[m, k] B[n, k]^T + beta * C
+//   gemm_nn:      C[m, n] = alpha * A[m, k] B[k, n]   + beta * C
+//   gemm_nt_bias: C[m, n] = A[m, k] W[n, k]^T + bias[n]   (bias added as the tiles are stored)
+// beta = 0 never reads C (it may be uninitialised or NaN); alpha = 0 or k = 0 never reads A or B.
+#pragma once
+
+#include <Eigen/Core>
+
+#include "sdpa/gemm/blocking.hpp"
+#include "sdpa/gemm/isa.hpp"
+#include "sdpa/gemm/kernel.hpp"
+#include "sdpa/gemm/loops.hpp"
+#include "sdpa/gemm/packed.hpp"
+#include "sdpa/parallel.hpp"
+
+namespace sdpa {
+namespace gemm {
+inline namespace SDPA_GEMM_ABI_NAMESPACE {
+
+namespace detail {
+inline void check_operands(Eigen::Index m, Eigen::Index n, Eigen::Index k, Eigen::Index lda, Eigen::Index ldb_min,
+                           Eigen::Index ldb, Eigen::Index ldc) noexcept {
+  eigen_assert(m >= 0 && n >= 0 && k >= 0 && "sdpa::gemm: negative size");
+  eigen_assert((m == 0 || k == 0 || lda >= k) && "sdpa::gemm: lda is smaller than k");
+  eigen_assert((n == 0 || k == 0 || ldb >= ldb_min) && "sdpa::gemm: ldb is smaller than a row of B");
+  eigen_assert((m == 0 || ldc >= n) && "sdpa::gemm: ldc is smaller than n");
+  (void)m, (void)n, (void)k, (void)lda, (void)ldb_min, (void)ldb, (void)ldc;
+}
+}  // namespace detail
+
+// C[m, n] (ldc) = alpha * A[m, k] (lda) * B[n, k]^T (ldb) + beta * C.
+template <typename Scalar>
+void gemm_nt(Eigen::Index m, Eigen::Index n, Eigen::Index k, detail::NoDeduceT<Scalar> alpha, const Scalar* a,
+             Eigen::Index lda, const Scalar* b, Eigen::Index ldb, detail::NoDeduceT<Scalar> beta, Scalar* c,
+             Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr) {
+  detail::check_operands(m, n, k, lda, k, ldb, ldc);
+  using K = detail::Kernel<Scalar>;
+  const auto pack_b = [b, ldb](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
+    K::pack_b_rows(cols, kcp, b + j0 * ldb + p0, ldb, dst);
+  };
+  detail::gemm_loops<Scalar>(m, n, k, alpha, a, lda, pack_b, beta, nullptr, c, ldc, device);
+}
+
+// C[m, n] (ldc) = alpha * A[m, k] (lda) * B[k, n] (ldb) + beta * C.
+template <typename Scalar>
+void gemm_nn(Eigen::Index m, Eigen::Index n, Eigen::Index k, detail::NoDeduceT<Scalar> alpha, const Scalar* a,
+             Eigen::Index lda, const Scalar* b, Eigen::Index ldb, detail::NoDeduceT<Scalar> beta, Scalar* c,
+             Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr) {
+  detail::check_operands(m, n, k, lda, n, ldb, ldc);
+  using K = detail::Kernel<Scalar>;
+  const auto pack_b = [b, ldb](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
+    K::pack_b_cols(cols, kcp, b + p0 * ldb + j0, ldb, dst);
+  };
+  detail::gemm_loops<Scalar>(m, n, k, alpha, a, lda, pack_b, beta, nullptr, c, ldc, device);
+}
+
+// The projection y = x W^T + b: C[m, n] (ldc) = A[m, k] (lda) * W[n, k]^T (ldw) + bias[n]. C is not read.
+template <typename Scalar>
+void gemm_nt_bias(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* w,
+                  Eigen::Index ldw, detail::NoDeduceT<const Scalar*> bias, Scalar* c, Eigen::Index ldc,
+                  const Eigen::ThreadPoolDevice* device = nullptr) {
+  detail::check_operands(m, n, k, lda, k, ldw, ldc);
+  using K = detail::Kernel<Scalar>;
+  const auto pack_b = [w, ldw](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
+    K::pack_b_rows(cols, kcp, w + j0 * ldw + p0, ldw, dst);
+  };
+  detail::gemm_loops<Scalar>(m, n, k, Scalar(1), a, lda, pack_b, Scalar(0), bias, c, ldc, device);
+}
+
+}  // namespace SDPA_GEMM_ABI_NAMESPACE
+}  // namespace gemm
+}  // namespace sdpa

@@ -1,0 +1,140 @@
+// The kernel this build uses and the loop around it that covers one packed block: rows x cols of C from
+// a k block of packed A (ceil(rows / mr) slivers) and packed B (ceil(cols / nr) slivers). With AVX-512 or
+// AVX2 the loop runs register-tile micro-kernels (A sliver outside, so that it stays in L1 while the B
+// slivers pass); without either, mr = nr = 1 makes a packed block a plain row-major matrix (A as
+// [rows, kc], B as [cols, kc]) and the block is one Eigen product, which is correct on any target.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <utility>
+
+#include "sdpa/gemm/blocking.hpp"
+#include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/gemm/isa.hpp"
+#include "sdpa/gemm/pack.hpp"
+
+#if defined(SDPA_GEMM_ISA_AVX512)
+#include "sdpa/gemm/microkernel_avx512.hpp"
+#elif defined(SDPA_GEMM_ISA_AVX2)
+#include "sdpa/gemm/microkernel_avx2.hpp"
+#endif
+
+namespace sdpa {
+namespace gemm {
+inline namespace SDPA_GEMM_ABI_NAMESPACE {
+namespace detail {
+
+#if defined(SDPA_GEMM_ISA_AVX512) || defined(SDPA_GEMM_ISA_AVX2)
+
+template <typename Scalar>
+struct Kernel {
+  using Index = Eigen::Index;
+#if defined(SDPA_GEMM_ISA_AVX512)
+  using Micro = Avx512Kernel<Scalar>;
+#else
+  using Micro = Avx2Kernel<Scalar>;
+#endif
+  static constexpr Index mr = Micro::mr;
+  static constexpr Index nr = Micro::nr;
+
+  static void pack_a(Index rows, Index kc, const Scalar* a, Index lda, Scalar* dst) noexcept {
+    Micro::template pack_rows<mr>(rows, kc, a, lda, dst);
+  }
+  static void pack_b_rows(Index cols, Index kc, const Scalar* b, Index ldb, Scalar* dst) noexcept {
+    Micro::template pack_rows<nr>(cols, kc, b, ldb, dst);
+  }
+  static void pack_b_cols(Index cols, Index kc, const Scalar* b, Index ldb, Scalar* dst) noexcept {
+    Micro::template pack_cols<nr>(cols, kc, b, ldb, dst);
+  }
+
+  static void block(Index kc, Index rows, Index cols, const Scalar* pa, const Scalar* pb, Scalar* c, Index ldc,
+                    const Epilogue<Scalar>& ep) noexcept {
+    for (Index i = 0; i < rows; i += mr) {
+      const TileFn tile = tiles()[static_cast<std::size_t>(std::min(mr, rows - i) - 1)];
+      Epilogue<Scalar> e = ep;
+      // The first tile of a row prefetches the next row's A sliver: one sliver's worth of tiles ahead.
+      const Scalar* a_next = i + mr < rows ? pa + mr * kc : nullptr;
+      for (Index j = 0; j < cols; j += nr) {
+        e.bias = ep.bias != nullptr ? ep.bias + j : nullptr;
+        tile(kc, pa, pb + j * kc, c + i * ldc + j, ldc, std::min(nr, cols - j), e, j == 0 ? a_next : nullptr);
+      }
+      pa += mr * kc;
+    }
+  }
+
+ private:
+  using TileFn = void (*)(Index, const Scalar*, const Scalar*, Scalar*, Index, Index, const Epilogue<Scalar>&,
+                          const Scalar*);
+  template <std::size_t... R>
+  static constexpr std::array<TileFn, sizeof...(R)> make_tiles(std::index_sequence<R...>) noexcept {
+    return {{&Micro::template tile<static_cast<int>(R) + 1>...}};
+  }
+  // tiles()[r - 1] computes r rows: the bottom edge runs as many accumulator chains as it has rows.
+  static const std::array<TileFn, static_cast<std::size_t>(mr)>& tiles() noexcept {
+    static constexpr std::array<TileFn, static_cast<std::size_t>(mr)> table =
+        make_tiles(std::make_index_sequence<static_cast<std::size_t>(mr)>{});
+    return table;
+  }
+};
+
+#else  // SDPA_GEMM_ISA_EIGEN
+
+template <typename Scalar>
+struct Kernel {
+  using Index = Eigen::Index;
+  static constexpr Index mr = 1;
+  static constexpr Index nr = 1;
+
+  static void pack_a(Index rows, Index kc, const Scalar* a, Index lda, Scalar* dst) noexcept {
+    pack_rows<mr>(rows, kc, a, lda, dst);
+  }
+  static void pack_b_rows(Index cols, Index kc, const Scalar* b, Index ldb, Scalar* dst) noexcept {
+    pack_rows<nr>(cols, kc, b, ldb, dst);
+  }
+  static void pack_b_cols(Index cols, Index kc, const Scalar* b, Index ldb, Scalar* dst) noexcept {
+    pack_cols<nr>(cols, kc, b, ldb, dst);
+  }
+
+  static void block(Index kc, Index rows, Index cols, const Scalar* pa, const Scalar* pb, Scalar* c, Index ldc,
+                    const Epilogue<Scalar>& ep) noexcept {
+    using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using Stride = Eigen::OuterStride<>;
+    const Eigen::Map<const RowMatrix> a(pa, rows, kc), b(pb, cols, kc);
+    Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cm(c, rows, cols, Stride(ldc));
+    if (!ep.first) {
+      cm.noalias() += ep.alpha * a * b.transpose();
+      return;
+    }
+    if (ep.beta == Scalar(0)) {
+      cm.noalias() = ep.alpha * a * b.transpose();
+    } else {
+      cm *= ep.beta;
+      cm.noalias() += ep.alpha * a * b.transpose();
+    }
+    if (ep.bias != nullptr) {
+      cm.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(ep.bias, cols);
+    }
+  }
+};
+
+#endif
+
+}  // namespace detail
+
+// The blocking of this build's kernel for Scalar on this machine (see blocking.hpp); computed once.
+template <typename Scalar>
+const Blocking& blocking() {
+  using K = detail::Kernel<Scalar>;
+  static const Blocking b = detail::compute_blocking(K::mr, K::nr, static_cast<Eigen::Index>(sizeof(Scalar)),
+                                                     Eigen::l1CacheSize(), Eigen::l2CacheSize(),
+                                                     Eigen::l3CacheSize());
+  return b;
+}
+
+}  // namespace SDPA_GEMM_ABI_NAMESPACE
+}  // namespace gemm
+}  // namespace sdpa

@@ -1,0 +1,175 @@
+// Operands packed once and multiplied many times. The attention kernel multiplies every query block of a
+// group by the same key block and every probability block by the same value block, and a projection
+// multiplies every batch by the same weights; packing such an operand once (and keeping its storage for
+// the next one) removes the packing from all products but the first.
+//
+//   PackedA  the left operand A[m, k], from row-major memory: pack(m, k, a, lda).
+//   PackedB  the right operand, from either layout: pack_nt(n, k, b, ldb) takes b[n, k] (keys, weights:
+//            the product is A b^T), pack_nn(k, n, b, ldb) takes b[k, n] (values: the product is A b).
+//   multiply(pa, pb, alpha, beta, c, ldc, bias = nullptr, device = nullptr)
+//            C[m, n] = alpha * A B + beta * C (+ bias[n]); beta = 0 never reads C.
+//
+// pack() reallocates only when the operand is larger than every one the object held before (reserve()
+// sizes it up front), so objects kept per worker make the attention loop allocation-free:
+//   PackedB kb, vb; PackedA qa[group], pa;                   // per worker, reused across heads and batches
+//   for each query block i of the group: qa[i].pack(bq, d, q_i, ldq)        // once per group
+//   for each key block j:
+//     kb.pack_nt(bk, d, k_j, ldk); vb.pack_nn(bk, dv, v_j, ldv)            // once per key block
+//     for each query block i:
+//       multiply(qa[i], kb, scale, 0, s, bk)                                // S = scale Q_i K_j^T
+//       (online softmax of s into p)
+//       pa.pack(bq, bk, p, bk); multiply(pa, vb, 1, 1, o_i, ldo)           // O_i += P_i V_j
+// Both operands hold the whole depth k in blocks of kc (blocking.hpp), so a product of packed operands
+// sums in the same order as gemm_nt/gemm_nn and gives the same bits. The objects are not thread-safe to
+// pack concurrently; multiplying from several threads with the same packed operands is safe.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstddef>
+
+#include "sdpa/detail/buffer.hpp"
+#include "sdpa/gemm/blocking.hpp"
+#include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/gemm/isa.hpp"
+#include "sdpa/gemm/kernel.hpp"
+#include "sdpa/gemm/loops.hpp"
+#include "sdpa/parallel.hpp"
+
+namespace sdpa {
+namespace gemm {
+inline namespace SDPA_GEMM_ABI_NAMESPACE {
+
+namespace detail {
+
+// Packed storage of `lines` x `depth` in slivers of `width` lines: k block by k block (offset p0 * the
+// padded line count), each block sliver by sliver (kcp * width values).
+template <typename Scalar>
+class PackedStorage {
+ public:
+  void reserve(Eigen::Index lines, Eigen::Index depth, Eigen::Index width) {
+    eigen_assert(lines >= 0 && depth >= 0 && "sdpa::gemm: negative size of a packed operand");
+    const std::size_t needed = static_cast<std::size_t>(round_up(lines, width) * depth);
+    if (needed > storage_.size()) storage_.reset(needed);
+  }
+  // Packs block by block with pack(block_depth, p0, dst).
+  template <typename PackBlock>
+  void pack(Eigen::Index lines, Eigen::Index depth, Eigen::Index width, const PackBlock& pack_block) {
+    reserve(lines, depth, width);
+    lines_ = lines;
+    depth_ = depth;
+    const Eigen::Index kc = blocking<Scalar>().kc;
+    const Eigen::Index padded = round_up(lines, width);
+    for (Eigen::Index p0 = 0; p0 < depth; p0 += kc) pack_block(std::min(kc, depth - p0), p0, storage_.data() + p0 * padded);
+  }
+  Eigen::Index lines() const noexcept { return lines_; }
+  Eigen::Index depth() const noexcept { return depth_; }
+  const Scalar* data() const noexcept { return storage_.data(); }
+
+ private:
+  sdpa::detail::Buffer<Scalar> storage_;
+  Eigen::Index lines_ = 0;
+  Eigen::Index depth_ = 0;
+};
+
+}  // namespace detail
+
+template <typename Scalar>
+class PackedA {
+ public:
+  using Index = Eigen::Index;
+
+  PackedA() = default;
+  PackedA(Index m, Index k) { reserve(m, k); }
+
+  // Storage for any m x k operand up to these sizes, so that pack() will not allocate.
+  void reserve(Index m, Index k) { storage_.reserve(m, k, K::mr); }
+
+  // A = a[m, k] (row-major, leading dimension lda >= k).
+  void pack(Index m, Index k, const Scalar* a, Index lda) {
+    eigen_assert((m == 0 || k == 0 || lda >= k) && "sdpa::gemm::PackedA: lda is smaller than k");
+    storage_.pack(m, k, K::mr, [&](Index kcp, Index p0, Scalar* dst) { K::pack_a(m, kcp, a + p0, lda, dst); });
+  }
+
+  Index rows() const noexcept { return storage_.lines(); }
+  Index depth() const noexcept { return storage_.depth(); }
+  const Scalar* data() const noexcept { return storage_.data(); }
+
+ private:
+  using K = detail::Kernel<Scalar>;
+  detail::PackedStorage<Scalar> storage_;
+};
+
+template <typename Scalar>
+class PackedB {
+ public:
+  using Index = Eigen::Index;
+
+  PackedB() = default;
+  PackedB(Index k, Index n) { reserve(k, n); }
+
+  // Storage for any k x n operand up to these sizes, so that pack_nt()/pack_nn() will not allocate.
+  void reserve(Index k, Index n) { storage_.reserve(n, k, K::nr); }
+
+  // B = b^T for b[n, k] (row-major, ldb >= k): keys for q k^T, PyTorch's (out, in) weights for x W^T.
+  void pack_nt(Index n, Index k, const Scalar* b, Index ldb) {
+    eigen_assert((n == 0 || k == 0 || ldb >= k) && "sdpa::gemm::PackedB::pack_nt: ldb is smaller than k");
+    storage_.pack(n, k, K::nr, [&](Index kcp, Index p0, Scalar* dst) { K::pack_b_rows(n, kcp, b + p0, ldb, dst); });
+  }
+
+  // B = b[k, n] (row-major, ldb >= n): values for p v.
+  void pack_nn(Index k, Index n, const Scalar* b, Index ldb) {
+    eigen_assert((n == 0 || k == 0 || ldb >= n) && "sdpa::gemm::PackedB::pack_nn: ldb is smaller than n");
+    storage_.pack(n, k, K::nr,
+                  [&](Index kcp, Index p0, Scalar* dst) { K::pack_b_cols(n, kcp, b + p0 * ldb, ldb, dst); });
+  }
+
+  Index depth() const noexcept { return storage_.depth(); }
+  Index cols() const noexcept { return storage_.lines(); }
+  const Scalar* data() const noexcept { return storage_.data(); }
+
+ private:
+  using K = detail::Kernel<Scalar>;
+  detail::PackedStorage<Scalar> storage_;
+};
+
+// C[m, n] (ldc) = alpha * A B + beta * C, plus bias[j] on every row's column j when bias is given, for
+// m = a.rows(), n = b.cols() and a.depth() == b.depth().
+template <typename Scalar>
+void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDeduceT<Scalar> alpha,
+              detail::NoDeduceT<Scalar> beta, Scalar* c, Eigen::Index ldc, detail::NoDeduceT<const Scalar*> bias = nullptr,
+              const Eigen::ThreadPoolDevice* device = nullptr) {
+  using Index = Eigen::Index;
+  using K = detail::Kernel<Scalar>;
+  eigen_assert(a.depth() == b.depth() && "sdpa::gemm::multiply: the packed operands' depths differ");
+  const Index m = a.rows(), n = b.cols(), k = a.depth();
+  eigen_assert((m == 0 || ldc >= n) && "sdpa::gemm::multiply: ldc is smaller than n");
+  if (m == 0 || n == 0) return;
+  if (k == 0 || alpha == Scalar(0)) {
+    detail::scale_only(m, n, beta, bias, c, ldc);
+    return;
+  }
+  const Blocking& bl = blocking<Scalar>();
+  const detail::Split split(m, n, bl);
+  const Index m_padded = detail::round_up(m, K::mr), n_padded = detail::round_up(n, K::nr);
+  // Every item runs its k blocks in order, so it needs no other item's result and no buffer of its own.
+  parallel_for(device, split.count(), 1, [&](Index t0, Index t1) {
+    for (Index item = t0; item < t1; ++item) {
+      const Index i0 = item / split.n_items * split.m_step;
+      const Index j0 = item % split.n_items * split.n_step;
+      const Index rows = std::min(split.m_step, m - i0);
+      const Index cols = std::min(split.n_step, n - j0);
+      for (Index p0 = 0; p0 < k; p0 += bl.kc) {
+        const Index kcp = std::min(bl.kc, k - p0);
+        const detail::Epilogue<Scalar> ep{alpha, beta, bias != nullptr ? bias + j0 : nullptr, p0 == 0};
+        K::block(kcp, rows, cols, a.data() + p0 * m_padded + i0 * kcp, b.data() + p0 * n_padded + j0 * kcp,
+                 c + i0 * ldc + j0, ldc, ep);
+      }
+    }
+  });
+}
+
+}  // namespace SDPA_GEMM_ABI_NAMESPACE
+}  // namespace gemm
+}  // namespace sdpa

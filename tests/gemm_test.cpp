@@ -1,0 +1,431 @@
+// sdpa::gemm against plain double-precision loops written here, for float and double, in whichever ISA
+// variant this file is compiled for (the default build, -march=haswell for AVX2, -march=x86-64 for the
+// Eigen fallback). Sizes: small and odd ones, primes, and the micro-tile and cache-block boundaries (mr,
+// nr, kc, nc, mc of this build's blocking) +-1, k = 0, m or n = 0; strided operands; alpha/beta variants,
+// beta = 0 over a C full of NaN; the bias epilogue; the packed API and its storage reuse; 1 and 2
+// threads, whose results must be bit-identical.
+//
+// Tolerance: |C - C_ref| <= tol * sqrt(max(k, 1)) * (|alpha| sum_p |a_ip b_pj| + |beta c_ij| + |bias_j|),
+// tol = 1e-5 for float and 1e-12 for double: a relative bound on the sum of the terms' magnitudes, which
+// holds for any summation order (the kernels sum k in blocks of kc, with FMAs) and does not blow up where
+// terms cancel.
+#include <sdpa/gemm/gemm.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Index = Eigen::Index;
+namespace gemm = sdpa::gemm;
+
+template <typename Scalar>
+constexpr double tolerance() {
+  return std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
+}
+
+enum class Op { kNT, kNN, kNTBias, kPackedNT, kPackedNN };
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kNT: return "gemm_nt";
+    case Op::kNN: return "gemm_nn";
+    case Op::kNTBias: return "gemm_nt_bias";
+    case Op::kPackedNT: return "packed nt";
+    case Op::kPackedNN: return "packed nn";
+  }
+  return "?";
+}
+bool is_nt(Op op) { return op != Op::kNN && op != Op::kPackedNN; }
+bool has_bias(Op op) { return op == Op::kNTBias; }
+
+struct Shape {
+  Index m, n, k;
+};
+
+std::string describe(Op op, const Shape& s, double alpha, double beta, bool strided, int threads) {
+  return std::string(op_name(op)) + " m=" + std::to_string(s.m) + " n=" + std::to_string(s.n) +
+         " k=" + std::to_string(s.k) + " alpha=" + std::to_string(alpha) + " beta=" + std::to_string(beta) +
+         (strided ? " strided" : " dense") + " threads=" + std::to_string(threads) + " isa=" + gemm::isa_name();
+}
+
+const Eigen::ThreadPoolDevice* two_threads() {
+  static Eigen::ThreadPool pool(2);
+  static Eigen::ThreadPoolDevice device(&pool, 2);
+  return &device;
+}
+
+std::size_t to_size(Index i) { return static_cast<std::size_t>(i); }
+
+// Operands of one product in row-major buffers with leading dimensions; a is m x k, b is n x k (nt) or
+// k x n (nn), c is m x n inside ldc columns plus a guard row, the padding and guard holding a sentinel
+// that no call may overwrite.
+template <typename Scalar>
+struct Operands {
+  static constexpr Scalar kSentinel = Scalar(-12345.5);
+  Index lda, ldb, ldc;
+  std::vector<Scalar> a, b, c0, bias;
+
+  Operands(Op op, const Shape& s, bool strided, unsigned seed, bool nan_c) {
+    lda = std::max<Index>(s.k, 1) + (strided ? 3 : 0);
+    ldb = std::max<Index>(is_nt(op) ? s.k : s.n, 1) + (strided ? 5 : 0);
+    ldc = std::max<Index>(s.n, 1) + (strided ? 7 : 0);
+    std::mt19937 gen(seed);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    a.assign(to_size(s.m * lda), kSentinel);
+    for (Index i = 0; i < s.m; ++i)
+      for (Index p = 0; p < s.k; ++p) a[to_size(i * lda + p)] = Scalar(u(gen));
+    const Index b_rows = is_nt(op) ? s.n : s.k, b_cols = is_nt(op) ? s.k : s.n;
+    b.assign(to_size(b_rows * ldb), kSentinel);
+    for (Index i = 0; i < b_rows; ++i)
+      for (Index j = 0; j < b_cols; ++j) b[to_size(i * ldb + j)] = Scalar(u(gen));
+    c0.assign(to_size((s.m + 1) * ldc), kSentinel);
+    for (Index i = 0; i < s.m; ++i)
+      for (Index j = 0; j < s.n; ++j)
+        c0[to_size(i * ldc + j)] = nan_c ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(u(gen));
+    bias.resize(to_size(std::max<Index>(s.n, 1)));
+    for (Scalar& x : bias) x = Scalar(u(gen));
+  }
+
+  double a_at(Index i, Index p) const { return double(a[to_size(i * lda + p)]); }
+  double b_at(Op op, Index p, Index j) const {
+    return double(is_nt(op) ? b[to_size(j * ldb + p)] : b[to_size(p * ldb + j)]);
+  }
+};
+
+// Runs op on a copy of c0 and returns it.
+template <typename Scalar>
+std::vector<Scalar> run(Op op, const Shape& s, Scalar alpha, Scalar beta, const Operands<Scalar>& x,
+                        const Eigen::ThreadPoolDevice* device) {
+  std::vector<Scalar> c = x.c0;
+  switch (op) {
+    case Op::kNT:
+      gemm::gemm_nt(s.m, s.n, s.k, alpha, x.a.data(), x.lda, x.b.data(), x.ldb, beta, c.data(), x.ldc, device);
+      break;
+    case Op::kNN:
+      gemm::gemm_nn(s.m, s.n, s.k, alpha, x.a.data(), x.lda, x.b.data(), x.ldb, beta, c.data(), x.ldc, device);
+      break;
+    case Op::kNTBias:
+      gemm::gemm_nt_bias(s.m, s.n, s.k, x.a.data(), x.lda, x.b.data(), x.ldb, x.bias.data(), c.data(), x.ldc,
+                         device);
+      break;
+    case Op::kPackedNT:
+    case Op::kPackedNN: {
+      gemm::PackedA<Scalar> pa;
+      gemm::PackedB<Scalar> pb;
+      pa.pack(s.m, s.k, x.a.data(), x.lda);
+      if (op == Op::kPackedNT) {
+        pb.pack_nt(s.n, s.k, x.b.data(), x.ldb);
+      } else {
+        pb.pack_nn(s.k, s.n, x.b.data(), x.ldb);
+      }
+      gemm::multiply(pa, pb, alpha, beta, c.data(), x.ldc, nullptr, device);
+      break;
+    }
+  }
+  return c;
+}
+
+// Checks c against the double-precision reference, and that the padding and guard row kept the sentinel.
+template <typename Scalar>
+void expect_matches(Op op, const Shape& s, double alpha, double beta, const Operands<Scalar>& x,
+                    const std::vector<Scalar>& c, const std::string& what) {
+  const double tol = tolerance<Scalar>() * std::sqrt(double(std::max<Index>(s.k, 1)));
+  Index bad = 0;
+  for (Index i = 0; i < s.m; ++i) {
+    for (Index j = 0; j < s.n; ++j) {
+      double sum = 0, magnitude = 0;
+      for (Index p = 0; p < s.k; ++p) {
+        const double t = x.a_at(i, p) * x.b_at(op, p, j);
+        sum += t;
+        magnitude += std::abs(t);
+      }
+      double expected = alpha * sum;
+      magnitude *= std::abs(alpha);
+      if (beta != 0) {
+        const double c_in = double(x.c0[to_size(i * x.ldc + j)]);
+        expected += beta * c_in;
+        magnitude += std::abs(beta * c_in);
+      }
+      if (has_bias(op)) {
+        expected += double(x.bias[to_size(j)]);
+        magnitude += std::abs(double(x.bias[to_size(j)]));
+      }
+      const double got = double(c[to_size(i * x.ldc + j)]);
+      if (!(std::abs(got - expected) <= tol * magnitude) && bad++ < 5) {
+        ADD_FAILURE() << what << ": C(" << i << ", " << j << ") = " << got << ", expected " << expected
+                      << " (bound " << tol * magnitude << ")";
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+  Index touched = 0;
+  for (Index i = 0; i <= s.m; ++i) {
+    for (Index j = (i < s.m ? s.n : 0); j < x.ldc; ++j) {
+      if (c[to_size(i * x.ldc + j)] != Operands<Scalar>::kSentinel) ++touched;
+    }
+  }
+  EXPECT_EQ(touched, 0) << what << ": elements outside C were written";
+}
+
+// Runs op on 1 and 2 threads, checks the first against the reference and the second bit for bit.
+template <typename Scalar>
+void check(Op op, const Shape& s, double alpha, double beta, bool strided, unsigned seed = 1) {
+  if (has_bias(op)) alpha = 1, beta = 0;  // gemm_nt_bias has neither
+  const bool nan_c = beta == 0 && !has_bias(op);
+  const Operands<Scalar> x(op, s, strided, seed, nan_c);
+  const std::vector<Scalar> one = run(op, s, Scalar(alpha), Scalar(beta), x, nullptr);
+  expect_matches(op, s, alpha, beta, x, one, describe(op, s, alpha, beta, strided, 1));
+  const std::vector<Scalar> two = run(op, s, Scalar(alpha), Scalar(beta), x, two_threads());
+  EXPECT_TRUE(std::memcmp(one.data(), two.data(), one.size() * sizeof(Scalar)) == 0)
+      << describe(op, s, alpha, beta, strided, 2) << ": 2 threads differ from 1 thread";
+}
+
+// Small and odd sizes, primes, and the blocking's boundaries +-1.
+std::vector<Shape> shapes(const gemm::Blocking& bl) {
+  std::vector<Shape> v;
+  for (Index m : {1, 2, 3, 7, 13})
+    for (Index n : {1, 2, 3, 7, 13})
+      for (Index k : {0, 1, 3, 7, 13}) v.push_back({m, n, k});
+  for (Index m : {bl.mr - 1, bl.mr, bl.mr + 1, 2 * bl.mr + 1})
+    for (Index n : {bl.nr - 1, bl.nr, bl.nr + 1, 2 * bl.nr + 1}) v.push_back({m, n, 31});
+  v.push_back({97, 131, 31});
+  v.push_back({131, 97, 97});
+  v.push_back({31, 13, 131});
+  for (Index k : {bl.kc - 1, bl.kc, bl.kc + 1, 2 * bl.kc + 1}) v.push_back({29, 37, k});
+  for (Index n : {bl.nc - 1, bl.nc, bl.nc + 1, 2 * bl.nc + 1}) v.push_back({13, n, 7});
+  // Enough rows and columns for the work split to cut both (several items per worker).
+  v.push_back({200, 4 * bl.nr + 1, 9});
+  v.push_back({65, 3 * bl.nr, bl.kc + 5});
+  v.push_back({0, 5, 3});
+  v.push_back({5, 0, 3});
+  v.push_back({0, 0, 0});
+  return v;
+}
+
+template <typename Scalar>
+class GemmTest : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+struct ScalarName {
+  template <typename T>
+  static std::string GetName(int) {
+    return std::is_same<T, float>::value ? "float" : "double";
+  }
+};
+TYPED_TEST_SUITE(GemmTest, Scalars, ScalarName);
+
+// (alpha, beta): plain, scaled, accumulate, both; beta = 0 runs over a C full of NaN.
+const std::vector<std::pair<double, double>>& scalings() {
+  static const std::vector<std::pair<double, double>> v{{1.0, 0.0}, {0.5, 0.0}, {1.0, 1.0}, {-1.5, 0.25}};
+  return v;
+}
+
+template <typename Scalar>
+void check_all_shapes(Op op) {
+  for (const Shape& s : shapes(gemm::blocking<Scalar>())) {
+    for (const auto& [alpha, beta] : scalings()) {
+      for (bool strided : {false, true}) check<Scalar>(op, s, alpha, beta, strided);
+    }
+  }
+}
+
+TYPED_TEST(GemmTest, NtMatchesReference) { check_all_shapes<TypeParam>(Op::kNT); }
+TYPED_TEST(GemmTest, NnMatchesReference) { check_all_shapes<TypeParam>(Op::kNN); }
+TYPED_TEST(GemmTest, PackedNtMatchesReference) { check_all_shapes<TypeParam>(Op::kPackedNT); }
+TYPED_TEST(GemmTest, PackedNnMatchesReference) { check_all_shapes<TypeParam>(Op::kPackedNN); }
+
+TYPED_TEST(GemmTest, NtBiasMatchesReference) {
+  for (const Shape& s : shapes(gemm::blocking<TypeParam>())) {
+    for (bool strided : {false, true}) check<TypeParam>(Op::kNTBias, s, 1.0, 0.0, strided);
+  }
+}
+
+// The mc boundary: the only case with more than one block of rows (thousands of rows, so a narrow C).
+TYPED_TEST(GemmTest, RowBlockBoundary) {
+  const gemm::Blocking& bl = gemm::blocking<TypeParam>();
+  for (Index m : {bl.mc - 1, bl.mc, bl.mc + 1}) {
+    for (Op op : {Op::kNT, Op::kNN, Op::kNTBias}) check<TypeParam>(op, {m, 5, 3}, 1.0, 0.5, true);
+  }
+  check<TypeParam>(Op::kNT, {bl.mc + 1, 2 * bl.nr + 3, bl.kc + 2}, 1.0, 0.0, false);
+}
+
+// alpha = 0 and k = 0 leave beta * C (+ bias) and read neither A nor B (here full of NaN).
+TYPED_TEST(GemmTest, NoProductTerm) {
+  using Scalar = TypeParam;
+  const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+  const Index m = 7, n = 45, k = 9;
+  std::vector<Scalar> a(to_size(m * k), nan), b(to_size(n * k), nan), bias(to_size(n), Scalar(2));
+  for (const auto& [alpha, kk] : {std::pair<Scalar, Index>{Scalar(0), k}, std::pair<Scalar, Index>{Scalar(1), 0}}) {
+    std::vector<Scalar> c(to_size(m * n), Scalar(3));
+    gemm::gemm_nt(m, n, kk, alpha, a.data(), k, b.data(), k, Scalar(0.5), c.data(), n);
+    for (Scalar x : c) ASSERT_EQ(x, Scalar(1.5));
+    gemm::gemm_nn(m, n, kk, alpha, a.data(), k, b.data(), n, Scalar(0), c.data(), n);
+    for (Scalar x : c) ASSERT_EQ(x, Scalar(0));
+  }
+  std::vector<Scalar> c(to_size(m * n), nan);
+  gemm::gemm_nt_bias(m, n, Index{0}, a.data(), k, b.data(), k, bias.data(), c.data(), n);
+  for (Scalar x : c) ASSERT_EQ(x, Scalar(2));
+}
+
+// Operands and C at odd addresses: the kernels' unaligned accesses are the callers' memory, the aligned
+// ones only their own packed buffers.
+TYPED_TEST(GemmTest, MisalignedPointers) {
+  using Scalar = TypeParam;
+  const Index m = 37, n = 53, k = 41;
+  Operands<Scalar> x(Op::kNT, {m, n, k}, true, 7, false);
+  // Shift every buffer by one element: copies with a leading pad.
+  auto shifted = [](const std::vector<Scalar>& v) {
+    std::vector<Scalar> s(v.size() + 1);
+    std::copy(v.begin(), v.end(), s.begin() + 1);
+    return s;
+  };
+  const std::vector<Scalar> a1 = shifted(x.a), b1 = shifted(x.b);
+  std::vector<Scalar> c1 = shifted(x.c0);
+  gemm::gemm_nt(m, n, k, Scalar(1), a1.data() + 1, x.lda, b1.data() + 1, x.ldb, Scalar(1), c1.data() + 1, x.ldc);
+  const std::vector<Scalar> c(c1.begin() + 1, c1.end());
+  expect_matches(Op::kNT, {m, n, k}, 1.0, 1.0, x, c, "misaligned gemm_nt");
+}
+
+// Packed objects keep their storage: packing a smaller operand after a larger one must not read stale
+// padding, packing a larger one must grow, and a product of packed operands equals gemm_nt / gemm_nn bit
+// for bit (the same blocks in the same order).
+TYPED_TEST(GemmTest, PackedReuseAndAgreement) {
+  using Scalar = TypeParam;
+  gemm::PackedA<Scalar> pa(16, 16);
+  gemm::PackedB<Scalar> pb(16, 16);
+  const gemm::Blocking& bl = gemm::blocking<Scalar>();
+  const Shape sequence[] = {{40, 70, 33}, {3, 5, 2}, {2 * bl.mr + 1, 2 * bl.nr + 1, bl.kc + 3}, {1, 1, 1}, {19, 23, 29}};
+  unsigned seed = 11;
+  for (const Shape& s : sequence) {
+    for (Op op : {Op::kNT, Op::kNN}) {
+      const Operands<Scalar> x(op, s, true, seed++, false);
+      std::vector<Scalar> packed = x.c0, direct = x.c0;
+      pa.pack(s.m, s.k, x.a.data(), x.lda);
+      if (op == Op::kNT) {
+        pb.pack_nt(s.n, s.k, x.b.data(), x.ldb);
+        gemm::gemm_nt(s.m, s.n, s.k, Scalar(0.75), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(-1), direct.data(), x.ldc);
+      } else {
+        pb.pack_nn(s.k, s.n, x.b.data(), x.ldb);
+        gemm::gemm_nn(s.m, s.n, s.k, Scalar(0.75), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(-1), direct.data(), x.ldc);
+      }
+      ASSERT_EQ(pa.rows(), s.m);
+      ASSERT_EQ(pa.depth(), s.k);
+      ASSERT_EQ(pb.cols(), s.n);
+      ASSERT_EQ(pb.depth(), s.k);
+      gemm::multiply(pa, pb, Scalar(0.75), Scalar(-1), packed.data(), x.ldc);
+      const std::string what = std::string("reused packed ") + op_name(op) + " m=" + std::to_string(s.m);
+      expect_matches(op, s, 0.75, -1.0, x, packed, what);
+      EXPECT_TRUE(std::memcmp(packed.data(), direct.data(), packed.size() * sizeof(Scalar)) == 0)
+          << what << ": packed product differs from the direct one";
+    }
+  }
+}
+
+// multiply's bias epilogue, on 1 and 2 threads.
+TYPED_TEST(GemmTest, PackedBias) {
+  using Scalar = TypeParam;
+  const gemm::Blocking& bl = gemm::blocking<Scalar>();
+  for (const Shape& s : {Shape{1, 1, 1}, Shape{13, 2 * bl.nr + 5, bl.kc + 1}, Shape{150, 5 * bl.nr - 1, 17}}) {
+    const Operands<Scalar> x(Op::kNTBias, s, true, 5, true);
+    gemm::PackedA<Scalar> pa;
+    gemm::PackedB<Scalar> pb;
+    pa.pack(s.m, s.k, x.a.data(), x.lda);
+    pb.pack_nt(s.n, s.k, x.b.data(), x.ldb);
+    std::vector<Scalar> one = x.c0, two = x.c0;
+    gemm::multiply(pa, pb, Scalar(1), Scalar(0), one.data(), x.ldc, x.bias.data());
+    gemm::multiply(pa, pb, Scalar(1), Scalar(0), two.data(), x.ldc, x.bias.data(), two_threads());
+    expect_matches(Op::kNTBias, s, 1.0, 0.0, x, one, "packed bias m=" + std::to_string(s.m));
+    EXPECT_TRUE(std::memcmp(one.data(), two.data(), one.size() * sizeof(Scalar)) == 0);
+  }
+}
+
+// The attention kernel's use: query blocks packed once, each key and value block packed once and
+// multiplied by every query block of the group; S = scale Q_i K_j^T, O_i += S_i V_j (S standing in for
+// the probabilities), against the reference over the whole sequence.
+TYPED_TEST(GemmTest, AttentionTilePattern) {
+  using Scalar = TypeParam;
+  const Index bq = 19, bk = 45, d = 72, dv = 40, groups = 3, key_blocks = 3;
+  const Index nq = bq * groups, nk = bk * key_blocks;
+  const Scalar scale = Scalar(1) / std::sqrt(Scalar(d));
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  auto fill = [&](Index count) {
+    std::vector<Scalar> v(to_size(count));
+    for (Scalar& x : v) x = Scalar(u(gen));
+    return v;
+  };
+  const std::vector<Scalar> q = fill(nq * d), k = fill(nk * d), v = fill(nk * dv);
+  std::vector<gemm::PackedA<Scalar>> qa(to_size(groups));
+  for (Index i = 0; i < groups; ++i) qa[to_size(i)].pack(bq, d, q.data() + i * bq * d, d);
+  gemm::PackedB<Scalar> kb, vb;
+  gemm::PackedA<Scalar> sa;
+  std::vector<Scalar> s(to_size(bq * bk)), o(to_size(nq * dv), Scalar(0));
+  for (Index j = 0; j < key_blocks; ++j) {
+    kb.pack_nt(bk, d, k.data() + j * bk * d, d);
+    vb.pack_nn(bk, dv, v.data() + j * bk * dv, dv);
+    for (Index i = 0; i < groups; ++i) {
+      gemm::multiply(qa[to_size(i)], kb, scale, Scalar(0), s.data(), bk);
+      sa.pack(bq, bk, s.data(), bk);
+      gemm::multiply(sa, vb, Scalar(1), Scalar(1), o.data() + i * bq * dv, dv);
+    }
+  }
+  const double tol = tolerance<Scalar>() * std::sqrt(double(d + nk));
+  for (Index r = 0; r < nq; ++r) {
+    for (Index c = 0; c < dv; ++c) {
+      double expected = 0, magnitude = 0;
+      for (Index t = 0; t < nk; ++t) {
+        double score = 0, score_magnitude = 0;
+        for (Index p = 0; p < d; ++p) {
+          const double x = double(q[to_size(r * d + p)]) * double(k[to_size(t * d + p)]);
+          score += x;
+          score_magnitude += std::abs(x);
+        }
+        score *= double(scale);
+        score_magnitude *= double(scale);
+        const double vt = double(v[to_size(t * dv + c)]);
+        expected += score * vt;
+        magnitude += score_magnitude * std::abs(vt);
+      }
+      ASSERT_LE(std::abs(double(o[to_size(r * dv + c)]) - expected), tol * magnitude) << "O(" << r << ", " << c << ")";
+    }
+  }
+}
+
+TEST(GemmBlocking, FollowsTheDocumentedRule) {
+  // 48 KiB L1, 1 MiB L2, a 512 MiB "L3" as a VM reports it, float on a 12 x 32 tile.
+  const gemm::Blocking b = gemm::detail::compute_blocking(12, 32, 4, 48 << 10, 1 << 20, Index{512} << 20);
+  EXPECT_EQ(b.kc, 512);
+  EXPECT_EQ(b.nc, 256);
+  EXPECT_EQ(b.mc, (Index{16} << 20) / (512 * 4) / 12 * 12);
+  // Unknown cache sizes fall back to small common ones; kc stays a multiple of 8 within [16, 1024].
+  const gemm::Blocking u = gemm::detail::compute_blocking(6, 16, 8, 0, 0, 0);
+  EXPECT_EQ(u.kc % 8, 0);
+  EXPECT_GE(u.kc, 16);
+  EXPECT_LE(u.kc, 1024);
+  EXPECT_EQ(u.nc % 16, 0);
+  EXPECT_EQ(u.mc % 6, 0);
+  EXPECT_EQ(gemm::detail::compute_blocking(1, 1, 4, 48 << 10, 1 << 20, 1 << 20).kc, 1024);
+}
+
+TEST(GemmIsa, MatchesTheCompilerTarget) {
+#if defined(__AVX512F__)
+  EXPECT_STREQ(gemm::isa_name(), "avx512");
+#elif defined(__AVX2__) && defined(__FMA__)
+  EXPECT_STREQ(gemm::isa_name(), "avx2");
+#else
+  EXPECT_STREQ(gemm::isa_name(), "eigen");
+#endif
+}
+
+}  // namespace
