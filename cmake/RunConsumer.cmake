@@ -1,9 +1,14 @@
 # ctest driver for one consumer project: optionally installs sdpa into a fresh prefix, then configures,
-# builds and runs the consumer. Variables: MODE (find_package | add_subdirectory | fetch_content),
-# SDPA_SOURCE_DIR, SDPA_BINARY_DIR, WORK_DIR.
+# builds and runs the consumer. Variables: MODE (find_package | add_subdirectory | fetch_content |
+# warnings), SDPA_SOURCE_DIR, SDPA_BINARY_DIR, WORK_DIR; optional CONSUMER_ARGS (a ;-list, passed to the
+# consumer's configure: sdpa's options, a compiler, flags), and POISON_DIR, a directory whose
+# dnnl-config.cmake fails the configure if anything loads it (sdpa must not need oneDNN's CMake package).
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
-set(args -DSDPA_SOURCE_DIR=${SDPA_SOURCE_DIR} -DCMAKE_BUILD_TYPE=Release)
+set(args -DSDPA_SOURCE_DIR=${SDPA_SOURCE_DIR} -DCMAKE_BUILD_TYPE=Release ${CONSUMER_ARGS})
+if(POISON_DIR)
+  list(APPEND args -Ddnnl_DIR=${POISON_DIR})
+endif()
 if(MODE STREQUAL "find_package")
   execute_process(COMMAND ${CMAKE_COMMAND} --install ${SDPA_BINARY_DIR} --prefix ${WORK_DIR}/prefix
                   RESULT_VARIABLE rc)

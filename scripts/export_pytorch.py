@@ -159,6 +159,19 @@ def load_safetensors(path):
     return tensors, metadata
 
 
+def sdpa_shape_metadata(module, prefix=""):
+    """The metadata sdpa's save_safetensors writes for each ScaledDotProductAttention in a module (any
+    module with d_model, d_k, d_v, h and fc_q): "<its state_dict prefix>sdpa.d_model" etc., which sdpa's
+    load_safetensors checks against the module it loads into."""
+    out = {}
+    for name, m in module.named_modules():
+        if all(hasattr(m, a) for a in ("d_model", "d_k", "d_v", "h", "fc_q")):
+            base = prefix + (name + "." if name else "")
+            for a in ("d_model", "d_k", "d_v", "h"):
+                out[f"{base}sdpa.{a}"] = str(int(getattr(m, a)))
+    return out
+
+
 def state_dict_of(obj):
     """The tensors of a torch.load result: a module, a state_dict, or a dict holding one."""
     if isinstance(obj, nn.Module):
@@ -272,7 +285,8 @@ def make_fixtures(out, corpus):
     # Only the attention's tensors, as sdpa's save_safetensors(module, path, PREFIX, {"format": "pt"})
     # writes them: the test checks that both give the same bytes.
     write(os.path.join(out, "sdpa_f32_attn_only.safetensors"),
-          {PREFIX + p: t.float() for p, t in attn.state_dict().items()}, {"format": "pt"})
+          {PREFIX + p: t.float() for p, t in attn.state_dict().items()},
+          dict(sorted({"format": "pt", **sdpa_shape_metadata(attn, PREFIX)}.items())))
     write(os.path.join(out, "sdpa_io.safetensors"), io,
           {"format": "pt", "note": "inputs and PyTorch eval outputs of the sdpa_*.safetensors models"})
 
@@ -345,6 +359,9 @@ def main(argv=None):
             sd = {n: (t.to(CAST[args.dtype]) if t.is_floating_point() else t) for n, t in sd.items()}
         metadata = dict(kv.split("=", 1) for kv in args.metadata)
         metadata.setdefault("format", "pt")
+        if isinstance(obj, nn.Module):
+            shapes = sdpa_shape_metadata(obj)
+            metadata.update({k: v for k, v in shapes.items() if k.startswith(args.select)})
         write(args.out, sd, metadata)
     elif args.command == "fixtures":
         make_fixtures(args.out, args.corpus)

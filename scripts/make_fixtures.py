@@ -232,6 +232,7 @@ class Case:
         self.weights = None   # numpy float64 array
         self.expect_full_rows = False  # whether fully masked rows are intended
         self.large_logits = False
+        self.nonfinite = False  # NaN or inf inputs: PyTorch's NaNs are the expectation
         rng = np.random.default_rng(seed_of(name if seed is None else seed))
         self.rng = rng
         nq_eff = nk if self_attention else nq
@@ -346,6 +347,25 @@ def build_cases():
     cases.append(Case("single_key", b=2, nq=3, nk=1, d_model=8, d_k=3, d_v=5, h=2))
     c = Case("single_everything", b=1, nq=1, nk=1, d_model=8, d_k=8, d_v=8, h=1)
     cases.append(c)
+
+    # Non-finite inputs propagate as in PyTorch: a NaN in one query makes that query's output NaN (and only
+    # that query's); an infinite key element makes scores +-inf, hence NaN rows; a NaN in the keys at a
+    # position the mask hides reaches nothing (its score is replaced by -inf).
+    c = Case("nonfinite_query_nan", b=2, nq=4, nk=5, d_model=8, d_k=4, d_v=3, h=2)
+    c.queries[1, 2, 3] = np.nan
+    c.nonfinite = True
+    cases.append(c)
+    c = Case("nonfinite_key_inf", b=2, nq=3, nk=5, d_model=8, d_k=4, d_v=3, h=2)
+    c.keys[0, 1, 0] = np.inf
+    c.nonfinite = True
+    cases.append(c)
+    c = Case("nonfinite_hidden_key_nan", b=2, nq=3, nk=6, d_model=8, d_k=4, d_v=3, h=2)
+    c.keys[1, 4, 2] = np.nan
+    c.mask = np.zeros((2, 1, 1, 6), dtype=bool)
+    c.mask[1, 0, 0, 4] = True
+    c.mask[0, 0, 0, 0] = True
+    c.nonfinite = True
+    cases.append(c)
     return cases
 
 
@@ -382,6 +402,12 @@ def check_case(case, y, y_nan, y_zero, scores, att, inputs, m):
     if mask is not None:
         full_rows = bool(torch.broadcast_to(mask, scores.shape).all(-1).any())
     assert full_rows == case.expect_full_rows, f"{name}: fully masked rows {full_rows}"
+    if case.nonfinite:
+        assert torch.equal(torch.isnan(y_nan), torch.isnan(y_zero)), name
+        nan_rows = torch.isnan(y).any(-1)
+        assert nan_rows.any() == (not name.startswith("nonfinite_hidden")), f"{name}: NaN rows {nan_rows}"
+        assert not nan_rows.all(), f"{name}: every row NaN"
+        return
     if not full_rows:
         assert torch.equal(y_nan, y_zero), f"{name}: policies differ without fully masked rows"
         assert not torch.isnan(y).any(), f"{name}: NaN without fully masked rows"

@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# The whole test suite under AddressSanitizer + UndefinedBehaviorSanitizer (any report fails the run),
-# then the concurrency tests under ThreadSanitizer. Consumer projects are left to the plain build.
+# The whole test suite under AddressSanitizer + UndefinedBehaviorSanitizer (any report fails the run), built
+# with g++ and again with clang++ (whose UBSan also checks pointer arithmetic, e.g. an offset applied to a
+# null pointer), then the concurrency tests under ThreadSanitizer. Consumer projects are left to the plain
+# build.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 . "$root/scripts/deps.sh"
-sdpa_install_missing g++ make cmake libeigen3-dev libgtest-dev nlohmann-json3-dev
+sdpa_install_missing g++ make cmake libeigen3-dev libgtest-dev nlohmann-json3-dev clang-14 libclang-rt-14-dev
 jobs=$(nproc)
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
-build=${SDPA_ASAN_BUILD_DIR:-$root/build-asan}
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF \
-  -DSDPA_IO=ON -DSDPA_ONEDNN=OFF -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" \
-  >/dev/null
-cmake --build "$build" -j "$jobs"
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir "$build" --output-on-failure -j "$jobs" -LE consumer
+asan_suite() {  # build dir, C++ compiler
+  cmake -S "$root" -B "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER="$2" -DSDPA_BUILD_TESTS=ON \
+    -DSDPA_BUILD_EXAMPLES=OFF -DSDPA_IO=ON -DSDPA_ONEDNN=OFF \
+    -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" >/dev/null
+  cmake --build "$1" -j "$jobs"
+  ctest --test-dir "$1" --output-on-failure -j "$jobs" -LE consumer -E "^compile_fail_"
+}
+echo "sanitize.sh: ASan + UBSan, g++"
+asan_suite "${SDPA_ASAN_BUILD_DIR:-$root/build-asan}" g++
+echo "sanitize.sh: ASan + UBSan, clang++-14"
+asan_suite "${SDPA_ASAN_CLANG_BUILD_DIR:-$root/build-asan-clang}" clang++-14
 
 tsan=${SDPA_TSAN_BUILD_DIR:-$root/build-tsan}
-if [ -f "$root/tests/concurrency_test.cpp" ]; then
-  cmake -S "$root" -B "$tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF \
-    -DSDPA_ONEDNN=OFF -DCMAKE_CXX_FLAGS="-fsanitize=thread -Wno-tsan" >/dev/null
-  cmake --build "$tsan" --target concurrency_test -j "$jobs"
-  TSAN_OPTIONS=halt_on_error=1 "$tsan/tests/concurrency_test"
-fi
+echo "sanitize.sh: TSan, concurrency and parallel_for tests"
+cmake -S "$root" -B "$tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF \
+  -DSDPA_ONEDNN=OFF -DCMAKE_CXX_FLAGS="-fsanitize=thread -Wno-tsan" >/dev/null
+cmake --build "$tsan" --target concurrency_test parallel_test -j "$jobs"
+TSAN_OPTIONS=halt_on_error=1 "$tsan/tests/concurrency_test"
+TSAN_OPTIONS=halt_on_error=1 "$tsan/tests/parallel_test"

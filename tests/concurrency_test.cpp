@@ -143,6 +143,7 @@ TYPED_TEST(ConcurrencyTest, ConcurrentTrainingCallsTakeDistinctDraws) {
   sdpa_test::randomize_module(a, rng);
   a.manual_seed(123);
   Module b(a);
+  b.manual_seed(123);  // a copy takes a seed of its own
   const auto q = TestFixture::random3(rng, 2, 6, 8), k = TestFixture::random3(rng, 2, 7, 8);
   const int calls = kThreads * kIterations;
   std::vector<Tensor3> serial;

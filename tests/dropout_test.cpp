@@ -116,6 +116,7 @@ TYPED_TEST(DropoutTest, SameSeedSameOutputsOnOneAndTwoThreads) {
   a.fc_o().bias().setZero();
   a.manual_seed(99);
   Module b(a);
+  b.manual_seed(99);  // a copy takes a seed of its own
   const auto q = TestFixture::random3(rng, batch, nq, d_model), k = TestFixture::random3(rng, batch, nk, d_model),
              v = TestFixture::random3(rng, batch, nk, d_model);
   Eigen::ThreadPool pool(2);

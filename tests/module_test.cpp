@@ -349,6 +349,88 @@ TYPED_TEST(ModuleTest, LogitsAround1e4StayFinite) {
 
 // ------------------------------------------------------------------------------------------ input kinds
 
+// ------------------------------------------------------------------------------------- non-finite inputs
+
+// A NaN or infinity in the inputs propagates as in PyTorch: NaN in one query gives NaN in that query's
+// output only; the masked-row policy is for rows whose every key is hidden, never for NaN scores.
+TYPED_TEST(ModuleTest, NaNInOneQueryGivesNaNForThatQueryOnly) {
+  Rng rng(41);
+  auto m = TestFixture::make_module(rng, 8, 4, 3, 2);
+  auto q = TestFixture::random3(rng, 2, 5, 8);
+  const auto k = TestFixture::random3(rng, 2, 40, 8);
+  q(1, 3, 2) = std::numeric_limits<TypeParam>::quiet_NaN();
+  for (MaskedRows policy : {MaskedRows::kZero, MaskedRows::kNaN})
+    for (sdpa::Kernel kernel : {sdpa::Kernel::kAuto, sdpa::Kernel::kReference}) {
+      SCOPED_TRACE(::testing::Message() << "policy " << static_cast<int>(policy) << " kernel " << static_cast<int>(kernel));
+      m.set_masked_rows(policy);
+      m.set_kernel(kernel);
+      const auto out = m.forward(q, k, k);
+      for (Index b = 0; b < 2; ++b)
+        for (Index i = 0; i < 5; ++i)
+          for (Index d = 0; d < 8; ++d)
+            ASSERT_EQ(std::isnan(out(b, i, d)), b == 1 && i == 3) << b << " " << i << " " << d;
+      EXPECT_LT(max_relative_error(out, TestFixture::ref(m, q, k, k)), TestFixture::tol());
+    }
+}
+
+// Weights with +-inf and NaN entries under a random mask: every score kind (NaN, +inf, -inf, all visible
+// scores -inf) against the double reference, in both policies and both kernels, NaN exactly where it has NaN.
+TYPED_TEST(ModuleTest, NonFiniteScoresMatchReference) {
+  Rng rng(42);
+  auto m = TestFixture::make_module(rng, 8, 4, 3, 2);
+  const Index nq = 6, nk = 37;
+  const auto q = TestFixture::random3(rng, 2, nq, 8), k = TestFixture::random3(rng, 2, nk, 8);
+  typename TestFixture::Weights w = TestFixture::random_weights(rng, {2, 2, nq, nk});
+  const TypeParam inf = std::numeric_limits<TypeParam>::infinity();
+  w(0, 0, 1, 5) = std::numeric_limits<TypeParam>::quiet_NaN();  // NaN score: the row is NaN
+  w(0, 1, 2, 7) = inf;                                            // +-inf score
+  w(1, 0, 4, 30) = -inf;
+  for (Index j = 0; j < nk; ++j) w(1, 1, 0, j) = TypeParam(0);    // one row's scores all exactly 0 ...
+  Mask mask = random_mask(rng, {2, 1, nq, nk}, 0.3);
+  for (Index j = 0; j < nk; ++j) mask(1, 0, 5, j) = true;          // ... and a fully hidden row
+  mask(0, 0, 1, 5) = true;  // the NaN weight of row (0, 0, 1) is hidden: that row stays finite
+  for (MaskedRows policy : {MaskedRows::kZero, MaskedRows::kNaN})
+    for (sdpa::Kernel kernel : {sdpa::Kernel::kAuto, sdpa::Kernel::kReference}) {
+      SCOPED_TRACE(::testing::Message() << "policy " << static_cast<int>(policy) << " kernel " << static_cast<int>(kernel));
+      m.set_masked_rows(policy);
+      m.set_kernel(kernel);
+      const auto out = m.forward(q, k, k, &mask, &w);
+      const Array3 expected = TestFixture::ref(m, q, k, k, &mask, &w);
+      EXPECT_LT(max_relative_error(out, expected), TestFixture::tol());
+      Index nan_rows = 0;
+      for (Index b = 0; b < 2; ++b)
+        for (Index i = 0; i < nq; ++i) nan_rows += std::isnan(expected(b, i, 0)) ? 1 : 0;
+      EXPECT_GE(nan_rows, 1);  // the +-inf scores made some rows NaN
+      EXPECT_LT(nan_rows, 2 * nq);
+    }
+}
+
+// The one intended difference from PyTorch: a key the mask hides contributes nothing, so a NaN in its
+// input (hence in its projected key and value) does not reach the output. (PyTorch's 0 * NaN does.) The
+// hidden key sits inside tiles that other queries see, so the tiled kernel's products would meet it.
+TYPED_TEST(ModuleTest, NaNInAHiddenKeyDoesNotReachTheOutput) {
+  Rng rng(43);
+  auto m = TestFixture::make_module(rng, 8, 4, 3, 2);
+  const Index n = 40;
+  auto x = TestFixture::random3(rng, 2, n, 8);
+  auto clean = x;
+  for (Index d = 0; d < 8; ++d) {
+    x(0, 17, d) = std::numeric_limits<TypeParam>::quiet_NaN();
+    clean(0, 17, d) = TypeParam(123);
+  }
+  Mask mask(1, 1, n, n);  // key 17 hidden from every query; a causal pattern elsewhere
+  for (Index i = 0; i < n; ++i)
+    for (Index j = 0; j < n; ++j) mask(0, 0, i, j) = j == 17 || j > i;
+  const auto q = TestFixture::random3(rng, 2, n, 8);
+  for (sdpa::Kernel kernel : {sdpa::Kernel::kAuto, sdpa::Kernel::kReference}) {
+    m.set_kernel(kernel);
+    const auto out = m.forward(q, x, x, &mask);
+    for (Index i = 0; i < out.size(); ++i) ASSERT_TRUE(std::isfinite(out.data()[i])) << i;
+    // The output is the one with any other value there.
+    EXPECT_LT(max_relative_error(out, TestFixture::ref(m, q, clean, clean, &mask)), TestFixture::tol());
+  }
+}
+
 TYPED_TEST(ModuleTest, TensorMapInputsAreReadInPlace) {
   using T = TypeParam;
   using Tensor3 = typename TestFixture::Tensor3;
@@ -569,13 +651,21 @@ TYPED_TEST(ModuleTest, InitWeightsReproducibleUnderSeed) {
     }
     return true;
   };
+  // Two modules get different seeds from the process-wide sequence, hence different weights; after
+  // sdpa::manual_seed the sequence repeats, so a program is reproducible.
+  sdpa::manual_seed(2024);
   Module a(16, 8, 4, 2), b(16, 8, 4, 2);
-  EXPECT_TRUE(same(a, b));  // default seed
+  EXPECT_FALSE(same(a, b));
+  EXPECT_NE(a.seed(), b.seed());
+  sdpa::manual_seed(2024);
+  Module a2(16, 8, 4, 2), b2(16, 8, 4, 2);
+  EXPECT_TRUE(same(a, a2));
+  EXPECT_TRUE(same(b, b2));
   Rng rng(15);
   sdpa_test::randomize_module(b, rng);
-  EXPECT_FALSE(same(a, b));
+  EXPECT_FALSE(same(b, b2));
   b.init_weights();
-  EXPECT_TRUE(same(a, b));  // re-init restores the default-seed draw, biases included
+  EXPECT_TRUE(same(b, b2));  // re-init restores the module's own draw, biases included
 
   a.manual_seed(1234);
   a.init_weights();
@@ -661,7 +751,8 @@ TYPED_TEST(ModuleTest, CopyAndMoveKeepWeightsAndState) {
   const Mask pad = sdpa::key_padding_mask({4, 0}, 4);
   (void)m.forward(q, k, k);  // one training call: the dropout stream has advanced
 
-  auto check_same = [&](Module& a, Module& b, const char* what) {
+  // Same parameters (in storage of its own) and settings; the dropout stream is compared by the callers.
+  auto check_parameters_and_settings = [&](Module& a, const Module& b, const char* what) {
     SCOPED_TRACE(what);
     EXPECT_EQ(a.d_model(), b.d_model());
     EXPECT_EQ(a.d_k(), b.d_k());
@@ -670,59 +761,96 @@ TYPED_TEST(ModuleTest, CopyAndMoveKeepWeightsAndState) {
     EXPECT_EQ(a.dropout(), b.dropout());
     EXPECT_EQ(a.is_training(), b.is_training());
     EXPECT_EQ(a.masked_rows(), b.masked_rows());
-    EXPECT_EQ(a.seed(), b.seed());
     for (auto pa : a.named_parameters()) {
       auto pb = b.parameter(pa.name);
       ASSERT_EQ(pa.shape, pb.shape) << pa.name;
-      EXPECT_NE(pa.data, pb.data) << pa.name << " shares storage";
+      EXPECT_NE(static_cast<const void*>(pa.data), static_cast<const void*>(pb.data)) << pa.name << " shares storage";
       for (Index i = 0; i < pa.size(); ++i) ASSERT_EQ(pa.data[i], pb.data[i]) << pa.name << " " << i;
     }
-    // Training outputs agree too (same dropout stream position), and so do eval outputs.
-    TestFixture::expect_identical(a.forward(q, k, k, &pad), b.forward(q, k, k, &pad));
-    a.eval();
-    b.eval();
-    TestFixture::expect_identical(a.forward(q, k, k, &pad), b.forward(q, k, k, &pad));
-    a.train();
-    b.train();
   };
+  auto eval_output = [&](Module& a) {
+    a.eval();
+    auto y = a.forward(q, k, k, &pad);
+    a.train();
+    return y;
+  };
+  auto differs = [](const typename TestFixture::Tensor3& a, const typename TestFixture::Tensor3& b) {
+    for (Index i = 0; i < a.size(); ++i)
+      if (!(a.data()[i] == b.data()[i]) && !(std::isnan(a.data()[i]) && std::isnan(b.data()[i]))) return true;
+    return false;
+  };
+  const auto m_eval = eval_output(m);
 
-  Module twin(m);  // reference twin, advanced in lock step below
+  // A copy has a seed of its own: it computes what the original computes, but does not replay its
+  // dropout masks (a stack of copied layers would otherwise drop the same elements in every layer).
   {
     Module copy(m);
-    Module other_twin(twin);
-    check_same(copy, other_twin, "copy construction");
-    check_same(m, twin, "original after copy");
-    // The copy is deep.
-    copy.fc_q().weight()(0, 0) += TypeParam(1);
+    check_parameters_and_settings(copy, m, "copy construction");
+    EXPECT_NE(copy.seed(), m.seed());
+    EXPECT_EQ(m.seed(), 77u);
+    TestFixture::expect_identical(eval_output(copy), m_eval);
+    EXPECT_TRUE(differs(copy.forward(q, k, k, &pad), m.forward(q, k, k, &pad)));
+    copy.fc_q().weight()(0, 0) += TypeParam(1);  // the copy is deep
     EXPECT_NE(copy.fc_q().weight()(0, 0), m.fc_q().weight()(0, 0));
   }
   {
     Module assigned(3, 1, 1, 1);
     assigned = m;
-    Module other_twin(twin);
-    check_same(assigned, other_twin, "copy assignment");
-    check_same(m, twin, "original after copy assignment");
+    check_parameters_and_settings(assigned, m, "copy assignment");
+    EXPECT_NE(assigned.seed(), m.seed());
+    TestFixture::expect_identical(eval_output(assigned), m_eval);
   }
+  // A move is the same module in another place: its seed and dropout call count come along, so its next
+  // training output is the one the source would have given (compared with a twin reseeded alike).
+  auto twin_output = [&](std::uint64_t seed) {
+    Module twin(m);
+    twin.manual_seed(seed);
+    (void)twin.forward(q, k, k);
+    return twin.forward(q, k, k, &pad);
+  };
   {
     Module source(m);
+    source.manual_seed(5);
+    (void)source.forward(q, k, k);
     Module moved(std::move(source));
-    Module other_twin(twin);
-    check_same(moved, other_twin, "move construction");
+    check_parameters_and_settings(moved, m, "move construction");
+    EXPECT_EQ(moved.seed(), 5u);
+    TestFixture::expect_identical(moved.forward(q, k, k, &pad), twin_output(5));
   }
   {
     Module source(m);
+    source.manual_seed(6);
+    (void)source.forward(q, k, k);
     Module moved(5, 1, 2, 3);
     moved = std::move(source);
-    Module other_twin(twin);
-    check_same(moved, other_twin, "move assignment");
+    check_parameters_and_settings(moved, m, "move assignment");
+    EXPECT_EQ(moved.seed(), 6u);
+    TestFixture::expect_identical(moved.forward(q, k, k, &pad), twin_output(6));
   }
   {
     Module self(m);
-    Module other_twin(twin);
+    self.manual_seed(8);
+    (void)self.forward(q, k, k);
     const Module& alias = self;
-    self = alias;  // self-assignment keeps everything
-    check_same(self, other_twin, "self assignment");
+    self = alias;  // self-assignment keeps everything, the dropout stream included
+    check_parameters_and_settings(self, m, "self assignment");
+    EXPECT_EQ(self.seed(), 8u);
+    TestFixture::expect_identical(self.forward(q, k, k, &pad), twin_output(8));
   }
+  // Moving draws nothing from the process-wide seed sequence.
+  sdpa::manual_seed(31);
+  Module first(4, 2, 2, 2);
+  sdpa::manual_seed(31);
+  {
+    Module source(3, 1, 1, 1);  // takes the first seed of the sequence
+    Module moved(std::move(source));
+    EXPECT_EQ(moved.seed(), first.seed());
+  }
+  Module second(4, 2, 2, 2);
+  sdpa::manual_seed(31);
+  Module a(4, 2, 2, 2), b(4, 2, 2, 2);
+  EXPECT_EQ(second.seed(), b.seed());
+  EXPECT_NE(a.seed(), b.seed());
 }
 
 // ------------------------------------------------------------------------------------------ bad arguments
@@ -774,7 +902,9 @@ TYPED_TEST(ModuleTest, ForwardRefusesBadInputsWithoutComputing) {
   Rng rng(18);
   Module m(8, 4, 3, 2, TypeParam(0.5));  // training, so a computed call would consume a dropout draw
   sdpa_test::randomize_module(m, rng);
-  const Module twin(m);
+  m.manual_seed(18);
+  Module twin(m);
+  twin.manual_seed(18);  // a copy takes a seed of its own; the same seed gives the same dropout stream
   const auto q = TestFixture::random3(rng, 2, 3, 8), k = TestFixture::random3(rng, 2, 4, 8),
              v = TestFixture::random3(rng, 2, 4, 8);
 
@@ -812,8 +942,7 @@ TYPED_TEST(ModuleTest, ForwardRefusesBadInputsWithoutComputing) {
     }
   }
   // None of the refused calls drew a dropout mask: the next call matches a twin's first call.
-  Module twin_copy(twin);
-  TestFixture::expect_identical(m.forward(q, k, v), twin_copy.forward(q, k, v));
+  TestFixture::expect_identical(m.forward(q, k, v), twin.forward(q, k, v));
 }
 
 }  // namespace

@@ -43,7 +43,8 @@ std::vector<std::string> case_names() {
     for (const char* kind : {"rows", "batch", "head"})
       cases.push_back(std::string("fully_masked_") + kind + "_" + policy);
   for (const char* name :
-       {"large_logits", "single_head", "single_batch", "single_query", "single_key", "single_everything"})
+       {"large_logits", "single_head", "single_batch", "single_query", "single_key", "single_everything",
+        "nonfinite_query_nan", "nonfinite_key_inf", "nonfinite_hidden_key_nan"})
     cases.push_back(name);
   std::vector<std::string> files;
   for (const auto& c : cases) {
@@ -156,6 +157,11 @@ void run_fixture(const Fixture& f, double tolerance) {
   const Tensor3 yd = self ? m.forward(q, q, q, mask.get(), weights.get(), &device)
                           : m.forward(q, k, v, mask.get(), weights.get(), &device);
   EXPECT_TRUE(matches(yd, expected, tolerance)) << "ThreadPoolDevice";
+
+  // 4. The plain reference kernel.
+  m.set_kernel(sdpa::Kernel::kReference);
+  const Tensor3 yr = self ? m.forward(q, q, q, mask.get(), weights.get()) : m.forward(q, k, v, mask.get(), weights.get());
+  EXPECT_TRUE(matches(yr, expected, tolerance)) << "reference kernel";
 }
 
 class Parity : public ::testing::TestWithParam<std::string> {};

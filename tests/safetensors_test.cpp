@@ -193,7 +193,10 @@ void round_trip() {
   EXPECT_EQ(raw_parameters(a), raw_parameters(b));
 
   const SafetensorsFile file = sdpa::read_safetensors(path);
-  EXPECT_EQ(file.metadata, metadata);
+  std::map<std::string, std::string> expected_metadata = metadata;  // and the module's shape
+  expected_metadata.insert({{"model.attn.sdpa.d_model", "8"}, {"model.attn.sdpa.d_k", "3"},
+                            {"model.attn.sdpa.d_v", "5"}, {"model.attn.sdpa.h", "2"}});
+  EXPECT_EQ(file.metadata, expected_metadata);
   ASSERT_EQ(file.tensors.size(), 8u);
   for (const auto& t : file.tensors) {
     EXPECT_EQ(t.dtype, sizeof(Scalar) == 4 ? "F32" : "F64");
@@ -212,7 +215,8 @@ TEST(SafetensorsRoundTrip, LayoutIsTheReferences) {
   const SafetensorsFile file = sdpa::parse_safetensors(bytes.data(), bytes.size(), "saved");
   EXPECT_EQ(file.header_size % 8, 0u);
   const std::string header(bytes.begin() + 8, bytes.begin() + 8 + static_cast<long>(file.header_size));
-  EXPECT_EQ(header.rfind("{\"__metadata__\":{\"k\":\"v\"},\"p.fc_k.bias\":{\"dtype\":\"F32\",\"shape\":[4],"
+  EXPECT_EQ(header.rfind("{\"__metadata__\":{\"k\":\"v\",\"p.sdpa.d_k\":\"2\",\"p.sdpa.d_model\":\"4\",\"p.sdpa.d_v\":\"3\","
+                         "\"p.sdpa.h\":\"2\"},\"p.fc_k.bias\":{\"dtype\":\"F32\",\"shape\":[4],"
                          "\"data_offsets\":[0,16]},",
                          0),
             0u)
@@ -233,6 +237,41 @@ TEST(SafetensorsRoundTrip, SameBytesAsThePythonExporter) {
   sdpa::load_safetensors(m, fixture("sdpa_f32_attn_only.safetensors"), kPrefix);
   const auto bytes = sdpa::save_safetensors_to_memory(m, kPrefix, {{"format", "pt"}});
   EXPECT_EQ(std::string(bytes.begin(), bytes.end()), expected);
+}
+
+// The module's shape is saved, and a module of another shape whose parameters have the same sizes (here h
+// and d_k swapped: h * d_k and h * d_v stay 4 and 6) is refused by name; files without the metadata (as
+// PyTorch writes them) load as before.
+TEST(SafetensorsRoundTrip, ShapeMetadataIsSavedAndChecked) {
+  Small m = small_module();  // (4, 2, 3, 2)
+  const auto bytes = sdpa::save_safetensors_to_memory(m, "p.");
+  const SafetensorsFile file = sdpa::parse_safetensors(bytes.data(), bytes.size(), "saved");
+  EXPECT_EQ(file.metadata.at("p.sdpa.h"), "2");
+  EXPECT_EQ(file.metadata.at("p.sdpa.d_model"), "4");
+  Small other(4, 2, 3, 2);
+  EXPECT_NO_THROW(sdpa::load_safetensors(other, file, "p."));
+  // h = 1 with d_k = 4 and d_v = 6: every tensor has the shape of the (4, 2, 3, 2) module's.
+  ScaledDotProductAttention<float> one_head(4, 4, 6, 1);
+  const auto before = raw_parameters(one_head);
+  try {
+    sdpa::load_safetensors(one_head, file, "p.");
+    ADD_FAILURE() << "a module with h = 1 loaded a file saved with h = 2";
+  } catch (const SafetensorsError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("saved from a module with d_k = 2"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("but this module has d_k = 4"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(raw_parameters(one_head), before);  // refused before anything was copied
+  // A caller's metadata may repeat the shape, not contradict it.
+  EXPECT_NO_THROW(sdpa::save_safetensors_to_memory(m, "p.", {{"p.sdpa.h", "2"}}));
+  EXPECT_THROW(sdpa::save_safetensors_to_memory(m, "p.", {{"p.sdpa.h", "3"}}), SafetensorsError);
+  // Metadata that is not an integer is refused.
+  auto bad = sdpa::save_safetensors_to_memory(m, "");
+  const std::string text(bad.begin(), bad.end());
+  const std::size_t at = text.find("\"sdpa.h\":\"2\"");
+  ASSERT_NE(at, std::string::npos);
+  bad[at + 10] = 'x';
+  EXPECT_THROW(sdpa::load_safetensors_from_memory(other, bad.data(), bad.size(), "bad"), SafetensorsError);
 }
 
 TEST(SafetensorsRoundTrip, SaveToAnUnwritablePathIsRefused) {

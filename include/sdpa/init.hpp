@@ -12,8 +12,8 @@
 #include <cmath>
 #include <cstddef>
 #include <type_traits>
-#include <unsupported/Eigen/CXX11/Tensor>
 
+#include "sdpa/detail/eigen.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/random.hpp"
 

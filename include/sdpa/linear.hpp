@@ -3,10 +3,10 @@
 // through Eigen::Map, optionally split by rows over a thread pool.
 #pragma once
 
-#define EIGEN_USE_THREADS
-#include <Eigen/Core>
-#include <unsupported/Eigen/CXX11/Tensor>
+#include "sdpa/detail/eigen.hpp"
 
+#include <array>
+#include <cstddef>
 #include <limits>
 #include <type_traits>
 
@@ -62,13 +62,13 @@ class Linear {
                   "sdpa::Linear needs a RowMajor tensor (PyTorch memory order)");
     static_assert(std::is_same<std::remove_const_t<typename TensorT::Scalar>, Scalar>::value,
                   "sdpa::Linear: the tensor's scalar type must be the layer's");
-    if (x.dimension(kRank - 1) != in_features()) {
+    if (x.dimension(static_cast<std::size_t>(kRank - 1)) != in_features()) {
       detail::throw_invalid("Linear::operator()", "the input's last dimension", in_features(),
                             concat_shape(x.dimensions()));
     }
-    Eigen::array<Index, kRank> dims;
-    for (int i = 0; i < kRank; ++i) dims[i] = x.dimension(i);
-    dims[kRank - 1] = out_features();
+    std::array<Index, static_cast<std::size_t>(kRank)> dims;
+    for (std::size_t i = 0; i < static_cast<std::size_t>(kRank); ++i) dims[i] = x.dimension(i);
+    dims[static_cast<std::size_t>(kRank - 1)] = out_features();
     Eigen::Tensor<Scalar, kRank, Eigen::RowMajor> y(dims);
     const Index rows = in_features() == 0 ? 0 : x.size() / in_features();
     forward_rows(x.data(), rows, in_features(), y.data(), out_features(), device);

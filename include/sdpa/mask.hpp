@@ -4,7 +4,7 @@
 // the view with full coordinates and never expand the tensor.
 #pragma once
 
-#include <unsupported/Eigen/CXX11/Tensor>
+#include "sdpa/detail/eigen.hpp"
 
 #include <array>
 #include <string>
@@ -40,15 +40,15 @@ BroadcastView<T> make_broadcast_view(const Eigen::Tensor<T, 4, Eigen::RowMajor>*
   if (t == nullptr) return view;
   static const char* const kAxis[4] = {"batch", "heads", "queries", "keys"};
   Eigen::Index dense = 1;
-  for (int i = 3; i >= 0; --i) {
+  for (std::size_t i = 4; i-- > 0;) {
     const Eigen::Index d = t->dimension(i);
-    if (d != 1 && d != full[static_cast<std::size_t>(i)]) {
+    if (d != 1 && d != full[i]) {
       detail::throw_invalid(where, detail::concat(name, " dimension ", i, " (", kAxis[i], ")"),
-                            detail::concat("1 or ", full[static_cast<std::size_t>(i)], " to broadcast over ",
+                            detail::concat("1 or ", full[i], " to broadcast over ",
                                            detail::shape_string(full)),
                             detail::concat(d, " (", name, " shape ", detail::shape_string(t->dimensions()), ")"));
     }
-    view.stride[static_cast<std::size_t>(i)] = d == 1 ? 0 : dense;
+    view.stride[i] = d == 1 ? 0 : dense;
     dense *= d;
   }
   view.data = t->data();

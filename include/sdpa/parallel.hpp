@@ -1,13 +1,18 @@
 // Work splitting over an Eigen::ThreadPoolDevice. Without a device (nullptr) everything runs on the calling
 // thread; with one, the caller and the pool's threads take chunks of the index range from a shared atomic
-// counter, which balances uneven work (causal masks, ragged tails) without a cost model.
+// counter, which balances uneven work (causal masks, ragged tails) without a cost model. The caller never
+// waits for a helper that has not started: it takes chunks itself until none is left and then waits only
+// for chunks already being run, so a call made from inside the pool's own tasks (every worker busy) runs
+// on the calling thread instead of deadlocking.
 #pragma once
 
-#define EIGEN_USE_THREADS
-#include <unsupported/Eigen/CXX11/Tensor>
+#include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 
 namespace sdpa {
 
@@ -23,28 +28,46 @@ void parallel_for(const Eigen::ThreadPoolDevice* device, Eigen::Index n, Eigen::
   if (n <= 0) return;
   grain = std::max<Eigen::Index>(1, grain);
   const Eigen::Index chunks = (n + grain - 1) / grain;
-  const int workers = static_cast<int>(std::min<Eigen::Index>(worker_count(device), chunks));
-  if (workers <= 1) {
+  const int helpers = static_cast<int>(std::min<Eigen::Index>(worker_count(device), chunks)) - 1;
+  if (helpers <= 0) {
     f(Eigen::Index{0}, n);
     return;
   }
-  std::atomic<Eigen::Index> next{0};
-  auto run = [&]() {
-    for (Eigen::Index c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
+  // Shared with the helper tasks, which may start after this call has returned (when the pool was busy and
+  // the caller ran every chunk): such a task finds no chunk left and touches nothing but this state, which
+  // it keeps alive.
+  struct State {
+    explicit State(Eigen::Index c) : chunks(c) {}
+    const Eigen::Index chunks;
+    std::atomic<Eigen::Index> next{0};
+    Eigen::Index done = 0;  // chunks finished, under `mutex`
+    std::mutex mutex;
+    std::condition_variable finished;
+  };
+  auto state = std::make_shared<State>(chunks);
+  // Runs the claimed chunk c and then claims more. It lives on the caller's stack, which stays valid
+  // while any chunk is claimed but unfinished: the caller waits for all of them.
+  auto run_from = [grain, n, &f](State& s, Eigen::Index c) {
+    Eigen::Index ran = 0;
+    for (; c < s.chunks; c = s.next.fetch_add(1, std::memory_order_relaxed)) {
       const Eigen::Index begin = c * grain;
       f(begin, std::min(n, begin + grain));
+      ++ran;
     }
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.done += ran;
+    if (s.done == s.chunks) s.finished.notify_all();
   };
-  Eigen::Barrier barrier(static_cast<unsigned int>(workers - 1));
-  for (int w = 1; w < workers; ++w) {
-    device->enqueueNoNotification([&run, &barrier]() {
-      run();
-      barrier.Notify();
+  const auto* run = &run_from;
+  for (int w = 0; w < helpers; ++w) {
+    device->enqueueNoNotification([state, run]() {
+      const Eigen::Index c = state->next.fetch_add(1, std::memory_order_relaxed);
+      if (c < state->chunks) (*run)(*state, c);
     });
   }
-  run();
-  barrier.Wait();
+  run_from(*state, state->next.fetch_add(1, std::memory_order_relaxed));
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->finished.wait(lock, [&] { return state->done == state->chunks; });
 }
 
 // A grain that gives each worker several chunks of [0, n) so that uneven chunks even out.

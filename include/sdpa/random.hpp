@@ -1,17 +1,18 @@
 // Counter-based random numbers (Philox4x32-10, Salmon et al., SC'11): a pure function of (counter, key),
 // so a value depends only on what it is for, never on how many values were drawn before it. That gives
 // dropout masks that are identical whatever the tiling or the number of threads, and a small generator
-// object (`Philox`) that satisfies UniformRandomBitGenerator for the init strategies. No global state.
+// object (`Philox`) that satisfies UniformRandomBitGenerator for the init strategies. The one piece of
+// process-wide state is the sequence of default module seeds (sdpa::manual_seed), as in PyTorch.
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "sdpa/detail/intrinsics.hpp"
 
 namespace sdpa {
 
@@ -77,8 +78,48 @@ class Philox {
   std::uint64_t stream_;
   std::uint64_t block_index_ = 0;
   PhiloxCounter block_{};
-  int used_ = 4;
+  std::size_t used_ = 4;
 };
+
+namespace detail {
+// The process-wide seed sequence behind sdpa::manual_seed and next_seed: a base seed and how many seeds
+// have been handed out since it was set, under one mutex (construction, not a hot path).
+struct SeedSequence {
+  std::mutex mutex;
+  std::uint64_t base = 0x5dfa0c1e2024ULL;
+  std::uint64_t drawn = 0;
+};
+inline SeedSequence& seed_sequence() noexcept {
+  static SeedSequence sequence;
+  return sequence;
+}
+}  // namespace detail
+
+// Seeds the process-wide sequence that modules built without a seed draw from (as torch.manual_seed does
+// for PyTorch's default generator): after sdpa::manual_seed(s), the i-th module constructed gets the same
+// weights and dropout masks in every run. Modules keep their own seed once drawn; their manual_seed
+// member function reseeds one module alone.
+inline void manual_seed(std::uint64_t seed) noexcept {
+  detail::SeedSequence& s = detail::seed_sequence();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.base = seed;
+  s.drawn = 0;
+}
+
+// The next seed of the process-wide sequence: seed i under base b is two words of
+// philox(counter = (i, 0x5eed), key = b), so consecutive seeds are unrelated.
+inline std::uint64_t next_seed() noexcept {
+  detail::SeedSequence& s = detail::seed_sequence();
+  std::uint64_t base = 0, index = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    base = s.base;
+    index = s.drawn++;
+  }
+  const PhiloxCounter w = philox4x32_10(
+      {static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(index >> 32), 0x5eedu, 0u}, philox_key(base));
+  return static_cast<std::uint64_t>(w[0]) | (static_cast<std::uint64_t>(w[1]) << 32);
+}
 
 // Uniform double in [0, 1) with 53 random bits, from any 32-bit generator. Written out rather than
 // std::uniform_real_distribution so that a seed gives the same numbers with every standard library.

@@ -4,9 +4,7 @@
 // argument checks, and hands the attention core to a kernel in kernels/.
 #pragma once
 
-#define EIGEN_USE_THREADS
-#include <Eigen/Core>
-#include <unsupported/Eigen/CXX11/Tensor>
+#include "sdpa/detail/eigen.hpp"
 
 #include <atomic>
 #include <cmath>
@@ -16,6 +14,7 @@
 #include <vector>
 
 #include "sdpa/detail/buffer.hpp"
+#include "sdpa/detail/inputs.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/problem.hpp"
@@ -59,15 +58,13 @@ class ScaledDotProductAttention {
   using Weights = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>;
   using LinearType = Linear<Scalar>;
 
-  // Seed of the weights init_weights() draws and of the dropout masks, until manual_seed() changes it.
-  static constexpr std::uint64_t kDefaultSeed = 0x5dfa0c1e2024ULL;
-
   ScaledDotProductAttention(Index d_model, Index d_k, Index d_v, Index h, Scalar dropout = Scalar(0.1))
       : d_model_(checked_size("d_model", d_model)),
         d_k_(checked_size("d_k", d_k)),
         d_v_(checked_size("d_v", d_v)),
         h_(checked_size("h", h)),
         dropout_(checked_dropout(dropout)),
+        seed_(next_seed()),
         fc_q_(d_model, checked_product("d_model * h * d_k (weight count of fc_q)", d_model,
                                        checked_product("h * d_k", h, d_k)) / d_model),
         fc_k_(d_model, h * d_k),
@@ -77,10 +74,13 @@ class ScaledDotProductAttention {
     init_weights();
   }
 
+  // A copy has the original's parameters and settings, and a seed of its own from the process-wide
+  // sequence (sdpa::next_seed), as a deep copy in PyTorch draws from the global generator: it does not
+  // replay the original's dropout masks. Call manual_seed on both for identical masks.
   ScaledDotProductAttention(const ScaledDotProductAttention& other)
       : d_model_(other.d_model_), d_k_(other.d_k_), d_v_(other.d_v_), h_(other.h_), dropout_(other.dropout_),
         training_(other.training_), masked_rows_(other.masked_rows_), kernel_(other.kernel_),
-        seed_(other.seed_), calls_(other.calls_.load()),
+        seed_(next_seed()), calls_(0),
         fc_q_(other.fc_q_), fc_k_(other.fc_k_), fc_v_(other.fc_v_), fc_o_(other.fc_o_) {}
   ScaledDotProductAttention& operator=(const ScaledDotProductAttention& other) {
     if (this != &other) {
@@ -89,7 +89,11 @@ class ScaledDotProductAttention {
     }
     return *this;
   }
-  ScaledDotProductAttention(ScaledDotProductAttention&& other) noexcept : ScaledDotProductAttention(1, 1, 1, 1, 0) {
+  // A move keeps the seed and the dropout call count: it is the same module in a new place. It draws
+  // nothing from the process-wide sequence.
+  ScaledDotProductAttention(ScaledDotProductAttention&& other) noexcept
+      : d_model_(1), d_k_(1), d_v_(1), h_(1), dropout_(0), seed_(0),
+        fc_q_(1, 1), fc_k_(1, 1), fc_v_(1, 1), fc_o_(1, 1) {
     swap(other);
   }
   ScaledDotProductAttention& operator=(ScaledDotProductAttention&& other) noexcept {
@@ -115,17 +119,23 @@ class ScaledDotProductAttention {
     for (LinearType* layer : {&fc_q_, &fc_k_, &fc_v_, &fc_o_}) policy.linear(layer->weight(), layer->bias(), gen);
   }
 
-  // queries (batch, nq, d_model), keys and values (batch, nk, d_model): Eigen::Tensor<Scalar, 3, RowMajor>
-  // or a TensorMap of that layout (read in place). Returns (batch, nq, d_model).
+  // queries (batch, nq, d_model), keys and values (batch, nk, d_model): an Eigen::Tensor<Scalar, 3, RowMajor>
+  // or a TensorMap of that layout (read in place), or any rank-3 row-major tensor expression of Scalar
+  // (evaluated once). Returns (batch, nq, d_model).
   template <typename Q, typename K, typename V>
   Tensor3 forward(const Q& queries, const K& keys, const V& values, const Mask* attention_mask = nullptr,
                   const Weights* attention_weights = nullptr,
                   const Eigen::ThreadPoolDevice* device = nullptr) const {
-    check_input_type<Q>();
-    check_input_type<K>();
-    check_input_type<V>();
-    return forward_impl(View{queries.data(), dims_of(queries)}, View{keys.data(), dims_of(keys)},
-                        View{values.data(), dims_of(values)}, attention_mask, attention_weights, device);
+    SDPA_DETAIL_CHECK_INPUT(Q, Scalar);
+    SDPA_DETAIL_CHECK_INPUT(K, Scalar);
+    SDPA_DETAIL_CHECK_INPUT(V, Scalar);
+    if constexpr (detail::is_valid_input<Q, Scalar>() && detail::is_valid_input<K, Scalar>() &&
+                  detail::is_valid_input<V, Scalar>()) {
+      const detail::Inputs<Scalar> in(queries, keys, values);
+      return forward_impl(in.q(), in.k(), in.v(), attention_mask, attention_weights, device);
+    } else {
+      return Tensor3();  // not reached: the static_asserts above stop the build
+    }
   }
 
   template <typename Q, typename K, typename V>
@@ -197,24 +207,7 @@ class ScaledDotProductAttention {
   }
 
  private:
-  struct View {
-    const Scalar* data;
-    std::array<Index, 3> dims;
-  };
-
-  template <typename T>
-  static void check_input_type() {
-    static_assert(T::NumDimensions == 3, "sdpa: queries, keys and values must be rank-3 (batch, seq, d_model)");
-    static_assert(static_cast<int>(T::Layout) == static_cast<int>(Eigen::RowMajor),
-                  "sdpa: inputs must be RowMajor (PyTorch memory order)");
-    static_assert(std::is_same<std::remove_const_t<typename T::Scalar>, Scalar>::value,
-                  "sdpa: the inputs' scalar type must be the module's");
-  }
-
-  template <typename T>
-  static std::array<Index, 3> dims_of(const T& t) {
-    return {t.dimension(0), t.dimension(1), t.dimension(2)};
-  }
+  using View = detail::InputView<Scalar>;
 
   static Index checked_size(const char* name, Index value) {
     if (value <= 0) detail::throw_invalid("ScaledDotProductAttention", name, "positive", value);
@@ -239,7 +232,7 @@ class ScaledDotProductAttention {
     std::vector<ParameterRef<T>> out;
     const char* names[4] = {"fc_q", "fc_k", "fc_v", "fc_o"};
     const std::array<decltype(&self.fc_q_), 4> layers{&self.fc_q_, &self.fc_k_, &self.fc_v_, &self.fc_o_};
-    for (int i = 0; i < 4; ++i) {
+    for (std::size_t i = 0; i < 4; ++i) {
       auto& layer = *layers[i];
       out.push_back({std::string(names[i]) + ".weight", layer.weight().data(),
                      {layer.weight().dimension(0), layer.weight().dimension(1)}});
@@ -264,24 +257,24 @@ class ScaledDotProductAttention {
     const char* names[3] = {"queries", "keys", "values"};
     const View* views[3] = {&q, &k, &v};
     for (int i = 0; i < 3; ++i) {
-      if (views[i]->dims[2] != d_model_)
+      if (views[i]->dims()[2] != d_model_)
         detail::throw_invalid(where, detail::concat(names[i], " dimension 2 (d_model)"), d_model_,
-                              detail::concat(views[i]->dims[2], " (", names[i], " shape ",
-                                             detail::shape_string(views[i]->dims), ")"));
+                              detail::concat(views[i]->dims()[2], " (", names[i], " shape ",
+                                             detail::shape_string(views[i]->dims()), ")"));
     }
     for (int i = 1; i < 3; ++i) {
-      if (views[i]->dims[0] != q.dims[0])
+      if (views[i]->dims()[0] != q.dims()[0])
         detail::throw_invalid(where, detail::concat(names[i], " dimension 0 (batch)"),
-                              detail::concat(q.dims[0], ", the batch size of queries"),
-                              detail::concat(views[i]->dims[0], " (", names[i], " shape ",
-                                             detail::shape_string(views[i]->dims), ")"));
+                              detail::concat(q.dims()[0], ", the batch size of queries"),
+                              detail::concat(views[i]->dims()[0], " (", names[i], " shape ",
+                                             detail::shape_string(views[i]->dims()), ")"));
     }
-    if (v.dims[1] != k.dims[1])
+    if (v.dims()[1] != k.dims()[1])
       detail::throw_invalid(where, "values dimension 1 (sequence length)",
-                            detail::concat(k.dims[1], ", the length of keys"),
-                            detail::concat(v.dims[1], " (values shape ", detail::shape_string(v.dims), ")"));
+                            detail::concat(k.dims()[1], ", the length of keys"),
+                            detail::concat(v.dims()[1], " (values shape ", detail::shape_string(v.dims()), ")"));
     for (int i = 0; i < 3; ++i) {
-      if (views[i]->data == nullptr && views[i]->dims[0] * views[i]->dims[1] * views[i]->dims[2] != 0)
+      if (views[i]->data() == nullptr && views[i]->dims()[0] * views[i]->dims()[1] * views[i]->dims()[2] != 0)
         detail::throw_invalid(where, names[i], "a tensor with data", "a null pointer");
     }
   }
@@ -297,9 +290,9 @@ class ScaledDotProductAttention {
   Projected project(const View& qv, const View& kv, const View& vv, const Eigen::ThreadPoolDevice* device) const {
     using Target = kernels::ProjectionTarget<Scalar>;
     const Index hk = h_ * d_k_, hv = h_ * d_v_;
-    const Index rows_q = qv.dims[0] * qv.dims[1], rows_k = kv.dims[0] * kv.dims[1];
-    const bool kv_same = kv.data == vv.data && kv.dims == vv.dims;
-    const bool qk_same = kv_same && qv.data == kv.data && qv.dims == kv.dims;
+    const Index rows_q = qv.dims()[0] * qv.dims()[1], rows_k = kv.dims()[0] * kv.dims()[1];
+    const bool kv_same = kv.data() == vv.data() && kv.dims() == vv.dims();
+    const bool qk_same = kv_same && qv.data() == kv.data() && qv.dims() == kv.dims();
     auto target = [](const LinearType& layer, Scalar* y, Index ldy) {
       return Target{layer.weight().data(), layer.bias().data(), layer.out_features(), y, ldy};
     };
@@ -308,7 +301,7 @@ class ScaledDotProductAttention {
       const Index ld = 2 * hk + hv;
       r.qkv.reset(static_cast<std::size_t>(rows_q * ld));
       Scalar* base = r.qkv.data();
-      kernels::project_rows<Scalar>(qv.data, rows_q, d_model_,
+      kernels::project_rows<Scalar>(qv.data(), rows_q, d_model_,
                                     {target(fc_q_, base, ld), target(fc_k_, base + hk, ld), target(fc_v_, base + 2 * hk, ld)},
                                     device);
       r.q = base;
@@ -318,18 +311,19 @@ class ScaledDotProductAttention {
       return r;
     }
     r.qkv.reset(static_cast<std::size_t>(rows_q * hk));
-    kernels::project_rows<Scalar>(qv.data, rows_q, d_model_, {target(fc_q_, r.qkv.data(), hk)}, device);
+    kernels::project_rows<Scalar>(qv.data(), rows_q, d_model_, {target(fc_q_, r.qkv.data(), hk)}, device);
     r.q = r.qkv.data();
     r.ldq = hk;
+    if (rows_k == 0) return r;  // no keys: nothing to project, and no pointer into an empty buffer
     r.kv_only.reset(static_cast<std::size_t>(rows_k * (hk + hv)));
     Scalar* base = r.kv_only.data();
     const Index ld = hk + hv;
     if (kv_same) {
-      kernels::project_rows<Scalar>(kv.data, rows_k, d_model_, {target(fc_k_, base, ld), target(fc_v_, base + hk, ld)},
+      kernels::project_rows<Scalar>(kv.data(), rows_k, d_model_, {target(fc_k_, base, ld), target(fc_v_, base + hk, ld)},
                                     device);
     } else {
-      kernels::project_rows<Scalar>(kv.data, rows_k, d_model_, {target(fc_k_, base, ld)}, device);
-      kernels::project_rows<Scalar>(vv.data, rows_k, d_model_, {target(fc_v_, base + hk, ld)}, device);
+      kernels::project_rows<Scalar>(kv.data(), rows_k, d_model_, {target(fc_k_, base, ld)}, device);
+      kernels::project_rows<Scalar>(vv.data(), rows_k, d_model_, {target(fc_v_, base + hk, ld)}, device);
     }
     r.k = base;
     r.v = base + hk;
@@ -340,7 +334,7 @@ class ScaledDotProductAttention {
   Tensor3 forward_impl(const View& qv, const View& kv, const View& vv, const Mask* mask, const Weights* weights,
                        const Eigen::ThreadPoolDevice* device) const {
     check_inputs(qv, kv, vv);
-    const Index batch = qv.dims[0], nq = qv.dims[1], nk = kv.dims[1];
+    const Index batch = qv.dims()[0], nq = qv.dims()[1], nk = kv.dims()[1];
     const std::array<Index, 4> full{batch, h_, nq, nk};
     const char* where = "ScaledDotProductAttention::forward";
     kernels::AttentionProblem<Scalar> p;
@@ -385,7 +379,7 @@ class ScaledDotProductAttention {
   bool training_ = true;
   MaskedRows masked_rows_ = MaskedRows::kZero;
   Kernel kernel_ = Kernel::kAuto;
-  std::uint64_t seed_ = kDefaultSeed;
+  std::uint64_t seed_;
   mutable std::atomic<std::uint64_t> calls_{0};
   LinearType fc_q_, fc_k_, fc_v_, fc_o_;
 };

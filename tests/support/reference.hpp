@@ -151,6 +151,7 @@ inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, co
   std::vector<double> att(static_cast<std::size_t>(B * NQ * H * DV), 0.0);      // (B*NQ, H*DV)
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<double> s(static_cast<std::size_t>(NK));
+  std::vector<bool> hidden(static_cast<std::size_t>(NK));
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h)
       for (Index i = 0; i < NQ; ++i) {
@@ -161,21 +162,35 @@ inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, co
           for (Index d = 0; d < DK; ++d) dot += q[qrow + static_cast<std::size_t>(d)] * k[krow + static_cast<std::size_t>(d)];
           double x = dot / std::sqrt(static_cast<double>(DK));
           if (weights) x *= weights->at(b, h, i, j);
-          if (mask && mask->at(b, h, i, j) != 0.0) x = -inf;
+          hidden[static_cast<std::size_t>(j)] = mask && mask->at(b, h, i, j) != 0.0;
+          if (hidden[static_cast<std::size_t>(j)]) x = -inf;
           s[static_cast<std::size_t>(j)] = x;
         }
         double* out = &att[static_cast<std::size_t>((b * NQ + i) * H * DV + h * DV)];
         if (NK == 0) continue;
+        // Only a row whose every key is hidden gets the masked-row policy; a NaN score makes the row NaN
+        // and visible scores that are all -inf give exp(-inf + inf) = NaN, as PyTorch's softmax does.
+        bool any_visible = false;
         double mx = -inf;
-        for (Index j = 0; j < NK; ++j) mx = std::max(mx, s[static_cast<std::size_t>(j)]);
-        if (mx == -inf) {
+        for (Index j = 0; j < NK; ++j) {
+          if (hidden[static_cast<std::size_t>(j)]) continue;
+          any_visible = true;
+          const double x = s[static_cast<std::size_t>(j)];
+          if (std::isnan(x) || std::isnan(mx)) mx = std::numeric_limits<double>::quiet_NaN();
+          else mx = std::max(mx, x);
+        }
+        if (!any_visible) {
           if (nan_rows)
             for (Index d = 0; d < DV; ++d) out[d] = std::numeric_limits<double>::quiet_NaN();
           continue;
         }
         double sum = 0.0;
-        for (Index j = 0; j < NK; ++j) sum += std::exp(s[static_cast<std::size_t>(j)] - mx);
+        for (Index j = 0; j < NK; ++j)
+          if (!hidden[static_cast<std::size_t>(j)]) sum += std::exp(s[static_cast<std::size_t>(j)] - mx);
         for (Index j = 0; j < NK; ++j) {
+          // A hidden key contributes nothing, not even a NaN in its value row (sdpa's one intended
+          // difference from PyTorch, where 0 * NaN reaches the output).
+          if (hidden[static_cast<std::size_t>(j)]) continue;
           double prob = std::exp(s[static_cast<std::size_t>(j)] - mx) / sum;
           if (dropout) prob *= (*dropout)(b, h, i, j);
           const std::size_t vrow = static_cast<std::size_t>((b * NK + j) * H * DV + h * DV);

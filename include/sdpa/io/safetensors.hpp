@@ -9,7 +9,7 @@
 // Needs nlohmann_json (CMake target sdpa::io).
 #pragma once
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -599,6 +599,20 @@ std::vector<Scalar> tensor_values(const SafetensorsFile& file, const Safetensors
   return out;
 }
 
+namespace detail {
+namespace safetensors {
+// The module's shape as the metadata save_safetensors() writes: prefix + "sdpa.d_model" etc., so that a
+// file holding several layers keeps each layer's shape beside its tensors.
+template <class Module>
+std::vector<std::pair<std::string, long long>> shape_metadata(const Module& module, const std::string& prefix) {
+  return {{prefix + "sdpa.d_model", static_cast<long long>(module.d_model())},
+          {prefix + "sdpa.d_k", static_cast<long long>(module.d_k())},
+          {prefix + "sdpa.d_v", static_cast<long long>(module.d_v())},
+          {prefix + "sdpa.h", static_cast<long long>(module.h())}};
+}
+}  // namespace safetensors
+}  // namespace detail
+
 // Copies the module's parameters from a parsed file: each named prefix + its PyTorch name ("fc_q.weight"),
 // of exactly the parameter's shape. All tensors are checked and converted first and copied only then, so
 // a refused file leaves the module as it was.
@@ -609,6 +623,28 @@ void load_safetensors(Module& module, const SafetensorsFile& file, const std::st
   auto params = module.named_parameters();
   using Ref = typename decltype(params)::value_type;
   using Scalar = std::remove_pointer_t<decltype(std::declval<Ref&>().data)>;
+
+  // The shape the file was saved from, when it says (files from sdpa do; PyTorch's do not): a module whose
+  // h differs but whose h * d_k is the same would otherwise load tensors of the right sizes and compute
+  // something else.
+  for (const auto& entry : st::shape_metadata(module, prefix)) {
+    const auto it = file.metadata.find(entry.first);
+    if (it == file.metadata.end()) continue;
+    const std::string& text = it->second;
+    long long saved = -1;
+    std::size_t used = 0;
+    try {
+      saved = std::stoll(text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != text.size())
+      st::fail(file.name, "__metadata__ " + st::quote(entry.first) + " must be an integer, but is " + st::quote(text));
+    if (saved != entry.second)
+      st::fail(file.name, "the file was saved from a module with " + entry.first.substr(prefix.size() + 5) + " = " +
+                              text + " (__metadata__ " + st::quote(entry.first) + "), but this module has " +
+                              entry.first.substr(prefix.size() + 5) + " = " + std::to_string(entry.second));
+  }
 
   std::set<std::string> wanted;
   std::vector<const SafetensorsTensor*> sources;
@@ -689,11 +725,21 @@ std::vector<std::uint8_t> save_safetensors_to_memory(const Module& module, const
       st::fail(name_for_errors, "cannot save " + st::quote(s) + ": it is not valid UTF-8");
     }
   };
+  // The module's shape goes into the metadata (load_safetensors checks it); a caller's entry of the same
+  // name must agree.
+  std::map<std::string, std::string> all_metadata = metadata;
+  for (const auto& entry : st::shape_metadata(module, prefix)) {
+    const std::string value = std::to_string(entry.second);
+    const auto inserted = all_metadata.emplace(entry.first, value);
+    if (!inserted.second && inserted.first->second != value)
+      st::fail(name_for_errors, "metadata " + st::quote(entry.first) + " is the module's shape, " + value +
+                                    ", and cannot be " + st::quote(inserted.first->second));
+  }
   std::string header = "{";
-  if (!metadata.empty()) {
+  if (!all_metadata.empty()) {
     header += "\"__metadata__\":{";
     bool first = true;
-    for (const auto& kv : metadata) {
+    for (const auto& kv : all_metadata) {
       header += (first ? "" : ",") + json_string(kv.first) + ":" + json_string(kv.second);
       first = false;
     }

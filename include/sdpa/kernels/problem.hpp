@@ -4,7 +4,7 @@
 // after validating the arguments; kernels trust it.
 #pragma once
 
-#include <unsupported/Eigen/CXX11/Tensor>
+#include "sdpa/detail/eigen.hpp"
 
 #include "sdpa/mask.hpp"
 #include "sdpa/random.hpp"

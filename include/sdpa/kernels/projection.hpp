@@ -5,9 +5,7 @@
 // sdpa's own work split stays the only threading.
 #pragma once
 
-#define EIGEN_USE_THREADS
-#include <Eigen/Core>
-#include <unsupported/Eigen/CXX11/Tensor>
+#include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 #include <vector>

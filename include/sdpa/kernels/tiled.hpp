@@ -10,9 +10,7 @@
 // sizes unless a caller (a test) forces them.
 #pragma once
 
-#define EIGEN_USE_THREADS
-#include <Eigen/Core>
-#include <unsupported/Eigen/CXX11/Tensor>
+#include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -24,9 +22,6 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/projection.hpp"
@@ -157,9 +152,18 @@ struct ShiftedExp<float> {
     const __m512 t = _mm512_sub_ps(v, shift);
     // Zero below -87.33, where exp falls under FLT_MIN; -inf (masked) included, whose NaN from the
     // reduction below is dropped here. A NaN argument stays NaN, as the reference's exp gives.
-    lanes = _mm512_mask_cmp_ps_mask(lanes, t, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ);
+    // (The unmasked compare and an AND: at -O0 GCC's macro for the masked compare trips -Wsign-conversion.)
+    lanes = static_cast<__mmask16>(lanes & _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ));
+    // At -O0 GCC's macro for vrndscaleps converts its all-ones mask to a signed short (-Wsign-conversion).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wsign-conversion"
+#endif
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
     __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), t);
     r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
     __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
@@ -270,6 +274,7 @@ class TiledWorker {
         q_buf_(static_cast<std::size_t>(group * block_q * p.d_k + kLine)),
         m_(static_cast<std::size_t>(group * block_q)),
         l_(static_cast<std::size_t>(group * block_q)),
+        seen_(static_cast<std::size_t>(group * block_q)),
         state_(static_cast<std::size_t>(block_q)),
         first_(static_cast<std::size_t>(block_q)),
         last_(static_cast<std::size_t>(block_q)),
@@ -294,6 +299,9 @@ class TiledWorker {
     o.setZero();
     std::fill(m_.begin(), m_.begin() + rows, -kInf);
     std::fill(l_.begin(), l_.begin() + rows, Scalar(0));
+    // Without a mask every row sees every key; with one, tile() marks the rows that see any.
+    std::fill(seen_.begin(), seen_.begin() + rows, static_cast<char>(!p.mask));
+    v_checked_k0_ = -1;
 
     // Public products pack the q block again for every tile: a contiguous copy keeps it within a few
     // pages. (Packed products pack each q block once, from where it lies.)
@@ -325,13 +333,14 @@ class TiledWorker {
       Scalar* out = p.out.row(b, h, q0 + i);
       const std::size_t si = static_cast<std::size_t>(i);
       Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>> out_row(out, p.d_v);
-      if (m_[si] == -kInf) {
+      if (!seen_[si]) {
         // Every key masked: the reference's policy (its softmax over -inf gives NaN in the original).
         out_row.setConstant(p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN()
                                                               : Scalar(0));
       } else if (!accumulate) {
         out_row.setZero();
       } else {
+        // Visible scores that were all -inf leave l = 0 and o = 0: 0 * (1 / 0) is NaN, as PyTorch's softmax.
         out_row = o.row(i).array() * (Scalar(1) / l_[si]);
       }
     }
@@ -377,18 +386,20 @@ class TiledWorker {
         row.setZero();  // this query sees none of these keys: the tile adds nothing to its row
         continue;
       }
+      seen_[gi] = 1;
       const Index qi = q0 + r0 + i;
       if (p.weights) apply_weights(row, b, h, qi, k0 + j0);
       const bool mixed = any_masked && state_[ti] == kMixed;
       if (mixed) apply_mask(row, b, h, qi, k0 + j0, -kInf);
-      const Scalar tile_max = row.maxCoeff();
+      // NaN propagates: a NaN score makes the row NaN, as in PyTorch (hidden keys' scores are -inf by now).
+      const Scalar tile_max = row.template maxCoeff<Eigen::PropagateNaN>();
       if (tile_max == -kInf) {
         // Only when weights or scores are -inf themselves: keep the running state, add nothing.
         row.setZero();
         continue;
       }
       const Scalar m_old = m_[gi];
-      const Scalar m_new = std::max(m_old, tile_max);
+      const Scalar m_new = std::isnan(m_old) || !(tile_max > m_old || std::isnan(tile_max)) ? m_old : tile_max;
       Scalar tile_sum = ShiftedExp<Scalar>::run(&row(0), nj, m_new);
       // Masked keys must contribute exactly nothing, as in the reference.
       if (mixed && !ShiftedExp<Scalar>::kExpZeroesMasked) {
@@ -409,6 +420,27 @@ class TiledWorker {
       // The sum above is over every probability, dropped or not (the reference normalises before it
       // drops); only the kept ones, scaled by 1 / (1 - p), reach the output.
       if (p.dropout && accumulate) apply_dropout(row, bh, qi, k0 + j0);
+    }
+
+    // A hidden key contributes nothing, not even a NaN or infinity in its value row; the products below
+    // would give 0 * NaN for it, so a tile with hidden keys over non-finite values adds the visible ones
+    // one by one (only inputs with NaN or inf come here).
+    if (accumulate && any_masked && !values_finite(b, h, k0, cols)) {
+      for (Index i = i0; i < i1; ++i) {
+        const std::size_t ti = static_cast<std::size_t>(i);
+        if (state_[ti] == kClosed) continue;
+        const Index qi = q0 + r0 + i;
+        const MaskRun& run = (*runs_)(b, h, qi);
+        for (Index j = j0; j < j1; ++j) {
+          const Index key = k0 + j;
+          const bool hidden = run.solid ? key < run.lo || key >= run.hi : p.mask(b, h, qi, key);
+          if (hidden) continue;
+          const Scalar x = s(i, j);
+          const Scalar* v = p.v.row(b, h, key);
+          for (Index d = 0; d < p.d_v; ++d) o(i, d) += x * v[d];
+        }
+      }
+      return;
     }
 
     if (accumulate && packed) {
@@ -464,6 +496,17 @@ class TiledWorker {
   void packed_scores(Index, Index, Index, Index, Index, Index, const QRows&, Scalar*) {}
   void packed_accumulate(Index, Index, const Scalar*, Scalar*) {}
 #endif
+
+  // Whether v rows k0 .. k0 + cols - 1 of (b, h) are all finite; checked once per key block of a group.
+  bool values_finite(Index b, Index h, Index k0, Index cols) {
+    if (v_checked_k0_ != k0) {
+      v_checked_k0_ = k0;
+      v_finite_ = true;
+      for (Index j = 0; j < cols && v_finite_; ++j)
+        v_finite_ = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(p_.v.row(b, h, k0 + j), p_.d_v).allFinite();
+    }
+    return v_finite_;
+  }
 
   static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
   static constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
@@ -611,6 +654,9 @@ class TiledWorker {
   Index packed_k0_ = -1;
 #endif
   std::vector<Scalar> m_, l_;
+  std::vector<char> seen_;  // whether row i of the group has seen any unmasked key
+  Index v_checked_k0_ = -1;
+  bool v_finite_ = true;
   std::vector<std::uint8_t> state_;
   std::vector<Index> first_, last_;
   std::vector<std::uint32_t> bits_buf_;  // one row's dropout words (block_k + 8), sized once per worker

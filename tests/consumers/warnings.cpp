@@ -1,0 +1,74 @@
+// An application of one's own that uses sdpa the way the README shows, compiled by the consumer test with
+// -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wsign-conversion -Werror and EIGEN_USE_THREADS defined
+// on the command line (as the README tells users to): any warning from sdpa's headers fails the build.
+#include <sdpa/sdpa.hpp>
+#ifdef SDPA_CONSUMER_IO
+#include <sdpa/io/safetensors.hpp>
+#endif
+
+#include <cmath>
+#include <iostream>
+
+namespace {
+
+template <typename Scalar>
+int exercise() {
+  // The README's headline snippet, in eval mode for inference.
+  sdpa::ScaledDotProductAttention<Scalar> att(/*d_model=*/32, /*d_k=*/8, /*d_v=*/8, /*h=*/4, /*dropout=*/Scalar(0.1));
+  att.eval();
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> x(2, 9, 32);
+  x.setRandom();
+  auto y = att(x, x, x);
+
+  // Masks, weights, a thread pool, an expression argument, a TensorMap.
+  const auto causal = sdpa::causal_mask(9, 9);
+  const auto padding = sdpa::key_padding_mask({9, 4}, 9);
+  Eigen::Tensor<Scalar, 4, Eigen::RowMajor> weights(1, 4, 9, 9);
+  weights.setConstant(Scalar(1));
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice device(&pool, 2);
+  auto y_masked = att(x, x, x, &causal, &weights, &device);
+  auto y_padded = att.forward(x * Scalar(2), x, x, &padding);
+  Eigen::TensorMap<const Eigen::Tensor<Scalar, 3, Eigen::RowMajor>> map(x.data(), 2, 9, 32);
+  auto y_map = att(map, map, map);
+
+  // Training mode with dropout, seeds, the masked-row policy, the reference kernel.
+  att.train();
+  att.manual_seed(3);
+  att.set_masked_rows(sdpa::MaskedRows::kNaN);
+  auto y_train = att(x, x, x);
+  att.set_kernel(sdpa::Kernel::kReference);
+  auto y_ref = att(x, x, x, &causal);
+
+  // A layer and init strategies on their own.
+  sdpa::Linear<Scalar> layer(32, 16);
+  sdpa::Philox gen(42);
+  sdpa::init::XavierUniform{1.0}(layer.weight(), gen);
+  sdpa::init::KaimingNormal{0.0, sdpa::FanMode::kFanIn, sdpa::Nonlinearity::kRelu}(layer.weight(), gen);
+  auto z = layer(x);
+  att.init_weights(sdpa::init::PyTorchDefaultPolicy{});
+  for (auto p : att.named_parameters()) (void)p.size();
+
+#ifdef SDPA_CONSUMER_IO
+  const auto bytes = sdpa::save_safetensors_to_memory(att, "layer.");
+  sdpa::load_safetensors_from_memory(att, bytes.data(), bytes.size(), "memory", "layer.");
+#endif
+
+  double sum = 0;
+  for (const auto* t : {&y, &y_masked, &y_padded, &y_map, &y_train, &y_ref})
+    for (Eigen::Index i = 0; i < t->size(); ++i) sum += static_cast<double>(t->data()[i]);
+  for (Eigen::Index i = 0; i < z.size(); ++i) sum += static_cast<double>(z.data()[i]);
+  if (!std::isfinite(sum)) {
+    std::cerr << "non-finite output\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main() {
+  const int rc = exercise<float>() + exercise<double>();
+  if (rc == 0) std::cout << "consumer ok\n";
+  return rc;
+}
