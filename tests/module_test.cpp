@@ -431,6 +431,32 @@ TYPED_TEST(ModuleTest, NaNInAHiddenKeyDoesNotReachTheOutput) {
   }
 }
 
+// Any rank-3 row-major tensor expression of the module's Scalar is accepted and evaluated once: a scaled
+// tensor, a slice, a ColMajor tensor through swap_layout().shuffle(); the same expression object as q, k
+// and v still takes the fused projection (same result, bit for bit, as the evaluated tensor three times).
+TYPED_TEST(ModuleTest, TensorExpressionsAsInputs) {
+  using T = TypeParam;
+  using Tensor3 = typename TestFixture::Tensor3;
+  Rng rng(44);
+  auto m = TestFixture::make_module(rng, 8, 4, 3, 2);
+  const auto x = TestFixture::random3(rng, 2, 5, 8), kv = TestFixture::random3(rng, 2, 6, 8);
+  const Tensor3 doubled = x * T(2);
+  TestFixture::expect_identical(m(x * T(2), kv, kv), m(doubled, kv, kv));
+  const auto expr = x * T(2);
+  TestFixture::expect_identical(m(expr, expr, expr), m(doubled, doubled, doubled));
+  // A slice of a longer sequence.
+  const auto longer = TestFixture::random3(rng, 2, 9, 8);
+  const Eigen::array<Index, 3> offsets{0, 2, 0}, extents{2, 5, 8};
+  const Tensor3 sliced = longer.slice(offsets, extents);
+  TestFixture::expect_identical(m(longer.slice(offsets, extents), kv, kv), m(sliced, kv, kv));
+  // A ColMajor tensor of the same logical (batch, seq, d_model) values.
+  Eigen::Tensor<T, 3> col(2, 5, 8);
+  for (Index b = 0; b < 2; ++b)
+    for (Index i = 0; i < 5; ++i)
+      for (Index d = 0; d < 8; ++d) col(b, i, d) = x(b, i, d);
+  TestFixture::expect_identical(m(col.swap_layout().shuffle(Eigen::array<int, 3>{2, 1, 0}), kv, kv), m(x, kv, kv));
+}
+
 TYPED_TEST(ModuleTest, TensorMapInputsAreReadInPlace) {
   using T = TypeParam;
   using Tensor3 = typename TestFixture::Tensor3;
