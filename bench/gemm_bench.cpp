@@ -3,7 +3,9 @@
 // and fc_o at d_model 512) and of the d_k = 64 configuration, plus the attention tiles through the
 // packed API, on 1 and 2 threads. Counters: GFLOPs (rate, 2 m n k per iteration) and pct_peak (the same
 // rate as a share of this run's fma_peak for that thread count; the peak cases are registered first).
-// Run with --benchmark_repetitions=5 --benchmark_report_aggregates_only=true on a quiet machine.
+// Run with --benchmark_repetitions=5 --benchmark_report_aggregates_only=true on a quiet machine; besides
+// mean/median/stddev every case reports min and max over the repetitions (for GFLOPs the max is the best
+// run, the figure least disturbed by other processes on a shared machine).
 #include <sdpa/detail/buffer.hpp>
 #include <sdpa/gemm/gemm.hpp>
 
@@ -235,9 +237,16 @@ void dnnl(benchmark::State& state, Shape s, int threads) {
 }
 #endif
 
+// Adds min and max to the repetition aggregates (applied to times and counters alike).
+benchmark::internal::Benchmark* with_extremes(benchmark::internal::Benchmark* b) {
+  return b
+      ->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); })
+      ->ComputeStatistics("max", [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); });
+}
+
 void register_all() {
   for (int threads : {1, 2}) {
-    benchmark::RegisterBenchmark((std::string("fma_peak/") + kPeakIsa).c_str(), fma_peak)
+    with_extremes(benchmark::RegisterBenchmark((std::string("fma_peak/") + kPeakIsa).c_str(), fma_peak))
         ->Threads(threads)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
@@ -257,7 +266,7 @@ void register_all() {
       if (tile && threads > 1) continue;  // a tile is one worker's unit of work
       const std::string suffix = "/threads:" + std::to_string(threads);
       auto reg = [&](const std::string& impl, auto fn) {
-        benchmark::RegisterBenchmark((std::string(s.name) + "/" + impl + suffix).c_str(), fn)
+        with_extremes(benchmark::RegisterBenchmark((std::string(s.name) + "/" + impl + suffix).c_str(), fn))
             ->UseRealTime()
             ->Unit(tile ? benchmark::kMicrosecond : benchmark::kMillisecond);
       };

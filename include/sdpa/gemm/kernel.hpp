@@ -40,6 +40,7 @@ struct Kernel {
 #endif
   static constexpr Index mr = Micro::mr;
   static constexpr Index nr = Micro::nr;
+  static constexpr bool kShapeDependentRounding = false;
 
   static void pack_a(Index rows, Index kc, const Scalar* a, Index lda, Scalar* dst) noexcept {
     Micro::template pack_rows<mr>(rows, kc, a, lda, dst);
@@ -88,6 +89,8 @@ struct Kernel {
   using Index = Eigen::Index;
   static constexpr Index mr = 1;
   static constexpr Index nr = 1;
+  // Eigen's kernels take different code paths (and roundings) for different block shapes.
+  static constexpr bool kShapeDependentRounding = true;
 
   static void pack_a(Index rows, Index kc, const Scalar* a, Index lda, Scalar* dst) noexcept {
     pack_rows<mr>(rows, kc, a, lda, dst);

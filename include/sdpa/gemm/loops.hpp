@@ -7,8 +7,8 @@
 //       for each work item (a range of rows x a range of at most nc columns), on any worker:
 //         pack the item's B columns into the worker's own buffer (in L2)
 //         for each A sliver, for each B sliver: micro-kernel
-// Work items depend on the problem and the blocking only, never on the number of workers, so that the
-// Eigen fallback (whose results depend on its operands' shapes) is bit-identical across thread counts too.
+// The k blocks are the same for any number of workers, and so is every element's sequence of operations
+// in the micro-kernels, so results are bit-identical for any thread count (see min_items for Eigen's).
 #pragma once
 
 #include <Eigen/Core>
@@ -16,10 +16,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
-#include <cstdlib>
-#include <memory>
-#include <new>
 
+#include "sdpa/detail/buffer.hpp"
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
 #include "sdpa/gemm/isa.hpp"
@@ -44,23 +42,22 @@ inline Eigen::Index ceil_div(Eigen::Index a, Eigen::Index b) noexcept { return (
 inline Eigen::Index round_up(Eigen::Index a, Eigen::Index b) noexcept { return ceil_div(a, b) * b; }
 
 // rows x cols of C as a grid of m_items x n_items work items of m_step x n_step (the last ones smaller).
-// Columns come in chunks of nc (a B block in L2). When that gives fewer than kMinItems items, the rows
+// Columns come in chunks of nc (a B block in L2). When that gives fewer than `wanted` items, the rows
 // split first, into pieces of at least kMinRows (each piece packs its B chunk again, which costs 1/(2 *
 // rows) of its products), and only then do the chunks shrink towards nr: a narrower chunk reuses each A
 // sliver for fewer tiles before the next one must come from L3. Both steps are multiples of the micro-tile.
 struct Split {
-  static constexpr Eigen::Index kMinItems = 4;
   static constexpr Eigen::Index kMinRows = 64;
   Eigen::Index m_step, n_step, m_items, n_items;
 
-  Split(Eigen::Index rows, Eigen::Index cols, const Blocking& bl) noexcept {
+  Split(Eigen::Index rows, Eigen::Index cols, const Blocking& bl, Eigen::Index wanted) noexcept {
     const Eigen::Index min_rows = round_up(kMinRows, bl.mr);
     const Eigen::Index max_pieces = std::max<Eigen::Index>(1, rows / min_rows);
     n_step = std::min(bl.nc, round_up(cols, bl.nr));
     n_items = ceil_div(cols, n_step);
-    const Eigen::Index pieces = std::min(max_pieces, ceil_div(kMinItems, n_items));
-    if (pieces * n_items < kMinItems) {
-      const Eigen::Index chunks = ceil_div(kMinItems, pieces);
+    const Eigen::Index pieces = std::min(max_pieces, ceil_div(wanted, n_items));
+    if (pieces * n_items < wanted) {
+      const Eigen::Index chunks = ceil_div(wanted, pieces);
       n_step = std::max(bl.nr, round_up(ceil_div(cols, chunks), bl.nr));
       n_items = ceil_div(cols, n_step);
     }
@@ -70,26 +67,16 @@ struct Split {
   Eigen::Index count() const noexcept { return m_items * n_items; }
 };
 
-// Scratch for one call's packed blocks: 64-byte aligned, from the C heap, so that glibc hands the same
-// memory to the next call of a similar size (sdpa::detail::Buffer advises huge pages from 2 MiB on, and
-// the kernel would then zero fresh 2 MiB pages on every call: 1% of a projection).
+// How many work items to cut a product into for `workers` workers: none beyond the cache blocks for one
+// (no item packs B twice), several per worker otherwise, so that uneven items even out. The micro-kernels
+// round every element the same way in any tile, so the split cannot change their results; Eigen's
+// products can round differently for different shapes, so the fallback cuts every product the same way
+// whatever the number of workers.
 template <typename Scalar>
-class Scratch {
- public:
-  explicit Scratch(std::size_t count) {
-    if (count > (std::size_t(-1) - 63) / sizeof(Scalar)) throw std::bad_alloc();
-    const std::size_t bytes = (count * sizeof(Scalar) + 63) / 64 * 64;
-    data_.reset(static_cast<Scalar*>(std::aligned_alloc(64, std::max<std::size_t>(bytes, 64))));
-    if (data_ == nullptr) throw std::bad_alloc();
-  }
-  Scalar* data() const noexcept { return data_.get(); }
-
- private:
-  struct Free {
-    void operator()(Scalar* p) const noexcept { std::free(p); }
-  };
-  std::unique_ptr<Scalar, Free> data_;
-};
+Eigen::Index min_items(Eigen::Index workers) noexcept {
+  if (Kernel<Scalar>::kShapeDependentRounding) return 4;
+  return workers <= 1 ? 1 : std::max<Eigen::Index>(4, 2 * workers);
+}
 
 // C = beta * C + bias, for k = 0 or alpha = 0, where no product term exists; beta = 0 does not read C.
 template <typename Scalar>
@@ -120,19 +107,22 @@ void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, co
   const Blocking& bl = blocking<Scalar>();
   const Index kc = std::min(bl.kc, k);
   const Index mc = std::min(bl.mc, m);
-  const Split widest(mc, n, bl);
+  const Index wanted = min_items<Scalar>(worker_count(device));
+  const Split widest(mc, n, bl, wanted);
   const Index workers = std::min<Index>(worker_count(device), widest.count());
   // One allocation per call: the shared A block, then one B block per worker, each starting on a cache
-  // line since the kernels load B with aligned loads.
+  // line since the kernels load B with aligned loads. sdpa::detail::Buffer puts blocks of 2 MiB and more
+  // on huge pages: first-touch faults on 4 KiB pages cost fc_o a fifth of its time on this VM, where
+  // glibc maps a fresh block for every call (a request as large as the last one freed is mmap'ed again).
   constexpr Index line = 64 / static_cast<Index>(sizeof(Scalar));
   const Index a_size = round_up(round_up(mc, K::mr) * kc, line);
   const Index b_size = round_up(round_up(widest.n_step, K::nr) * kc, line);
-  const Scratch<Scalar> buffer(static_cast<std::size_t>(a_size + workers * b_size));
+  sdpa::detail::Buffer<Scalar> buffer(static_cast<std::size_t>(a_size + workers * b_size));
   Scalar* const a_block = buffer.data();
 
   for (Index ic = 0; ic < m; ic += mc) {
     const Index rows = std::min(mc, m - ic);
-    const Split split(rows, n, bl);
+    const Split split(rows, n, bl, wanted);
     const Index slivers = ceil_div(rows, K::mr);
     for (Index p0 = 0; p0 < k; p0 += kc) {
       const Index kcp = std::min(kc, k - p0);

@@ -151,7 +151,7 @@ void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDedu
     return;
   }
   const Blocking& bl = blocking<Scalar>();
-  const detail::Split split(m, n, bl);
+  const detail::Split split(m, n, bl, detail::min_items<Scalar>(worker_count(device)));
   const Index m_padded = detail::round_up(m, K::mr), n_padded = detail::round_up(n, K::nr);
   // Every item runs its k blocks in order, so it needs no other item's result and no buffer of its own.
   parallel_for(device, split.count(), 1, [&](Index t0, Index t1) {
