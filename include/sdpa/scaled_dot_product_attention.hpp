@@ -23,6 +23,7 @@
 #include "sdpa/kernels/tiled.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
+#include "sdpa/options.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"
 
@@ -121,21 +122,38 @@ class ScaledDotProductAttention {
 
   // queries (batch, nq, d_model), keys and values (batch, nk, d_model): an Eigen::Tensor<Scalar, 3, RowMajor>
   // or a TensorMap of that layout (read in place), or any rank-3 row-major tensor expression of Scalar
-  // (evaluated once). Returns (batch, nq, d_model).
+  // (evaluated once). Returns (batch, nq, d_model). The options (options.hpp) say what masks, modifies or
+  // hides the scores and where the probabilities go; every option is checked before any work.
   template <typename Q, typename K, typename V>
-  Tensor3 forward(const Q& queries, const K& keys, const V& values, const Mask* attention_mask = nullptr,
-                  const Weights* attention_weights = nullptr,
-                  const Eigen::ThreadPoolDevice* device = nullptr) const {
+  Tensor3 forward(const Q& queries, const K& keys, const V& values, const AttentionOptions<Scalar>& options) const {
     SDPA_DETAIL_CHECK_INPUT(Q, Scalar);
     SDPA_DETAIL_CHECK_INPUT(K, Scalar);
     SDPA_DETAIL_CHECK_INPUT(V, Scalar);
     if constexpr (detail::is_valid_input<Q, Scalar>() && detail::is_valid_input<K, Scalar>() &&
                   detail::is_valid_input<V, Scalar>()) {
       const detail::Inputs<Scalar> in(queries, keys, values);
-      return forward_impl(in.q(), in.k(), in.v(), attention_mask, attention_weights, device);
+      return forward_impl(in.q(), in.k(), in.v(), options);
     } else {
       return Tensor3();  // not reached: the static_asserts above stop the build
     }
+  }
+
+  template <typename Q, typename K, typename V>
+  Tensor3 operator()(const Q& queries, const K& keys, const V& values, const AttentionOptions<Scalar>& options) const {
+    return forward(queries, keys, values, options);
+  }
+
+  // The original module's signature: an optional bool mask (true = masked) and multiplicative weights, each
+  // dimension 1 or full (batch, h, nq, nk), and a thread pool (nullptr: the calling thread).
+  template <typename Q, typename K, typename V>
+  Tensor3 forward(const Q& queries, const K& keys, const V& values, const Mask* attention_mask = nullptr,
+                  const Weights* attention_weights = nullptr,
+                  const Eigen::ThreadPoolDevice* device = nullptr) const {
+    AttentionOptions<Scalar> options;
+    options.attention_mask = attention_mask;
+    options.attention_weights = attention_weights;
+    options.device = device;
+    return forward(queries, keys, values, options);
   }
 
   template <typename Q, typename K, typename V>
@@ -331,16 +349,48 @@ class ScaledDotProductAttention {
     return r;
   }
 
-  Tensor3 forward_impl(const View& qv, const View& kv, const View& vv, const Mask* mask, const Weights* weights,
-                       const Eigen::ThreadPoolDevice* device) const {
+  // Every option against the call's shape, before any work: std::invalid_argument naming the field.
+  void check_options(const AttentionOptions<Scalar>& o, Index batch, Index nk) const {
+    const char* where = "ScaledDotProductAttention::forward";
+    if (o.window_left < -1)
+      detail::throw_invalid(where, "window_left", "-1 (no window) or a non-negative number of keys", o.window_left);
+    if (o.window_right < -1)
+      detail::throw_invalid(where, "window_right", "-1 (no window) or a non-negative number of keys", o.window_right);
+    if (!o.key_lengths.empty()) {
+      if (static_cast<Index>(o.key_lengths.size()) != batch)
+        detail::throw_invalid(where, "key_lengths", detail::concat("empty or one length per batch entry (", batch, ")"),
+                              detail::concat(o.key_lengths.size(), " lengths"));
+      for (std::size_t b = 0; b < o.key_lengths.size(); ++b) {
+        if (o.key_lengths[b] < 0 || o.key_lengths[b] > nk)
+          detail::throw_invalid(where, detail::concat("key_lengths[", b, "]"), detail::concat("in [0, ", nk, "]"),
+                                o.key_lengths[b]);
+      }
+    }
+    if (!o.alibi_slopes.empty()) {
+      if (static_cast<Index>(o.alibi_slopes.size()) != h_)
+        detail::throw_invalid(where, "alibi_slopes", detail::concat("empty or one slope per head (", h_, ")"),
+                              detail::concat(o.alibi_slopes.size(), " slopes"));
+      for (std::size_t i = 0; i < o.alibi_slopes.size(); ++i) {
+        if (!std::isfinite(o.alibi_slopes[i]))
+          detail::throw_invalid(where, detail::concat("alibi_slopes[", i, "]"), "finite", o.alibi_slopes[i]);
+      }
+    }
+  }
+
+  Tensor3 forward_impl(const View& qv, const View& kv, const View& vv, const AttentionOptions<Scalar>& options) const {
     check_inputs(qv, kv, vv);
     const Index batch = qv.dims()[0], nq = qv.dims()[1], nk = kv.dims()[1];
     const std::array<Index, 4> full{batch, h_, nq, nk};
     const char* where = "ScaledDotProductAttention::forward";
     kernels::AttentionProblem<Scalar> p;
-    p.mask = make_broadcast_view(mask, full, where, "attention_mask");
-    p.weights = make_broadcast_view(weights, full, where, "attention_weights");
+    p.mask = make_broadcast_view(options.attention_mask, full, where, "attention_mask");
+    p.weights = make_broadcast_view(options.attention_weights, full, where, "attention_weights");
+    p.bias = make_broadcast_view(options.attention_bias, full, where, "attention_bias");
+    check_options(options, batch, nk);
+    const Eigen::ThreadPoolDevice* device = options.device;
 
+    // Checked: from here on nothing throws but an allocation failure.
+    if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, nk);
     Tensor3 result(batch, nq, d_model_);
     if (result.size() == 0) return result;
 
@@ -359,7 +409,14 @@ class ScaledDotProductAttention {
     detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * hv));
     p.out = {att.data(), nq * hv, hv, d_v_};
     p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
+    p.causal = options.causal;
+    p.window_left = options.window_left;
+    p.window_right = options.window_right;
+    p.key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
+    p.alibi = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
+    p.query_offset = nk - nq;  // lower-right alignment
     p.masked_rows = masked_rows_;
+    p.probabilities = options.probabilities != nullptr ? options.probabilities->data() : nullptr;
     if (training_ && dropout_ > Scalar(0)) {
       p.dropout = true;
       p.sampler = DropoutSampler(seed_, calls_.fetch_add(1), static_cast<double>(dropout_));

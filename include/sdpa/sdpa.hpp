@@ -9,6 +9,7 @@
 #include "sdpa/kernels/tiled.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
+#include "sdpa/options.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"

@@ -1,20 +1,18 @@
 // The attention core's input as every kernel sees it: projected q, k, v in (batch, seq, heads * dim)
-// row-major memory addressed through strides (so a fused QKV buffer or a caller's tensor serves without a
-// copy), the broadcast mask and weights, the masked-row policy and the dropout draw. The module fills it
-// after validating the arguments; kernels trust it.
+// row-major memory addressed through strides (so a fused QKV buffer, a key/value cache or a caller's tensor
+// serves without a copy), what modifies the scores (broadcast weights and bias, ALiBi slopes), what hides
+// keys (a broadcast mask, causal, windows, key lengths, all relative to the query's position among the
+// keys), the masked-row policy, the dropout draw, and the optional outputs (probabilities, the rows'
+// log-sum-exp). The module fills it after validating the arguments; kernels trust it.
 #pragma once
 
 #include "sdpa/detail/eigen.hpp"
 
 #include "sdpa/mask.hpp"
+#include "sdpa/options.hpp"
 #include "sdpa/random.hpp"
 
 namespace sdpa {
-
-// What a query whose every key is masked gets: zero attention output (PyTorch's SDPA since 2.5, ggml,
-// CTranslate2), or NaN as the original module's softmax over -inf gives.
-enum class MaskedRows { kZero, kNaN };
-
 namespace kernels {
 
 // Rows of one projected tensor: head h of row i of batch b starts at
@@ -33,16 +31,39 @@ struct Heads {
 
 template <typename Scalar>
 struct AttentionProblem {
-  Eigen::Index batch = 0, heads = 0, nq = 0, nk = 0, d_k = 0, d_v = 0;
+  using Index = Eigen::Index;
+
+  Index batch = 0, heads = 0, nq = 0, nk = 0, d_k = 0, d_v = 0;
   Heads<const Scalar> q, k, v;
   Heads<Scalar> out;  // (batch, nq, heads * d_v)
   Scalar scale = Scalar(1);  // 1 / sqrt(d_k)
-  BroadcastView<bool> mask;
+
+  // The scores: s = scale * q . k, times weights, plus bias, minus alibi[h] * |q' - k|.
   BroadcastView<Scalar> weights;
+  BroadcastView<Scalar> bias;
+  const Scalar* alibi = nullptr;  // one slope per head, or none
+
+  // Which keys a query sees. q' = q + query_offset is the query's position among the keys (nk - nq for a
+  // plain call: lower-right alignment); causal hides k > q', window_left (>= 0) hides k < q' - window_left,
+  // window_right (>= 0) hides k > q' + window_right, key_lengths[b] hides k >= key_lengths[b].
+  BroadcastView<bool> mask;
+  bool causal = false;
+  Index window_left = -1, window_right = -1;
+  const Index* key_lengths = nullptr;  // one per batch entry, or none
+  Index query_offset = 0;
   MaskedRows masked_rows = MaskedRows::kZero;
+
   bool dropout = false;            // training mode with p > 0
   DropoutSampler sampler{0, 0, 0.0};
   Scalar keep_scale = Scalar(1);   // 1 / (1 - p); 0 when p = 1
+
+  // Optional outputs: the probabilities before dropout, (batch, heads, nq, nk) row-major; and each row's
+  // log-sum-exp max + log(sum) of its final scores, (batch, heads, nq) (-inf for a row with no visible key),
+  // from which a backward pass recomputes the probabilities.
+  Scalar* probabilities = nullptr;
+  Scalar* lse = nullptr;
+
+  Index position(Index query) const noexcept { return query + query_offset; }
 };
 
 }  // namespace kernels

@@ -1,0 +1,108 @@
+// The score pipeline of one row segment, after the product has left scale * (q . k) in it: the
+// multiplicative weights, the additive bias, ALiBi's distance penalty, then -inf for every hidden key. Each
+// step is a small function over a contiguous segment (vectorised by the compiler or Eigen), applied only to
+// the keys the row sees; the forward, the probabilities, the decoding step and the backward pass all form
+// their scores through ScorePipeline::apply, so they agree on every score bit for bit.
+#pragma once
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/visibility.hpp"
+
+namespace sdpa {
+namespace kernels {
+
+namespace detail {
+
+template <typename Scalar>
+using RowArray = Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+
+// x[j] *= view(b, h, q, k0 + j) (multiply) or += (add) for j < n, reading the broadcast row once.
+template <typename Scalar>
+void apply_broadcast_row(Scalar* x, Eigen::Index n, const BroadcastView<Scalar>& view, Eigen::Index b, Eigen::Index h,
+                         Eigen::Index q, Eigen::Index k0, bool multiply) noexcept {
+  const Eigen::Index stride = view.stride[3];
+  const Scalar* data = view.data + view.row_offset(b, h, q) + k0 * stride;
+  RowArray<Scalar> row(x, n);
+  if (stride == 1) {
+    const Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>> w(data, n);
+    if (multiply) row *= w;
+    else row += w;
+  } else if (stride == 0) {
+    if (multiply) row *= data[0];
+    else row += data[0];
+  } else {
+    for (Eigen::Index j = 0; j < n; ++j) x[j] = multiply ? x[j] * data[j * stride] : x[j] + data[j * stride];
+  }
+}
+
+}  // namespace detail
+
+template <typename Scalar>
+class ScorePipeline {
+ public:
+  using Index = Eigen::Index;
+  static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+
+  explicit ScorePipeline(const Visibility<Scalar>& visibility) noexcept
+      : vis_(visibility), p_(visibility.problem()) {}
+
+  // x[j] (j < n) holds scale * (q . k) of row (b, h, q) and key k0 + j, and r is the row's key range: turns
+  // them into the final scores, -inf where hidden. Returns false when every key of the segment is hidden.
+  bool apply(Scalar* x, Index n, Index b, Index h, Index q, Index k0, const KeyRange& r) const noexcept {
+    return apply_segment(x, n, b, h, q, k0, vis_.segment(r, b, h, q, k0, n));
+  }
+
+  // The same with the row's visible segment already found (Visibility::segment, relative to k0).
+  bool apply_segment(Scalar* x, Index n, Index b, Index h, Index q, Index k0,
+                     const typename Visibility<Scalar>::Segment& seg) const noexcept {
+    if (seg.none()) {
+      std::fill(x, x + n, -kInf);
+      return false;
+    }
+    std::fill(x, x + seg.lo, -kInf);
+    std::fill(x + seg.hi, x + n, -kInf);
+    Scalar* y = x + seg.lo;
+    const Index m = seg.hi - seg.lo, kbegin = k0 + seg.lo;
+    if (p_.weights)
+      detail::apply_broadcast_row(y, m, p_.weights, b, h, q, kbegin, /*multiply=*/true);
+    if (p_.bias)
+      detail::apply_broadcast_row(y, m, p_.bias, b, h, q, kbegin, /*multiply=*/false);
+    if (p_.alibi != nullptr) add_alibi(y, m, p_.alibi[h], p_.position(q) - kbegin);
+    if (!seg.solid) {
+      // Holes in the mask inside the range: the mask decides each key.
+      const BroadcastView<bool>& mask = p_.mask;
+      const Index stride = mask.stride[3];
+      const bool* mk = mask.data + mask.row_offset(b, h, q) + kbegin * stride;
+      if (stride == 1) {
+        const unsigned char* bytes = reinterpret_cast<const unsigned char*>(mk);
+        for (Index j = 0; j < m; ++j) y[j] = bytes[j] != 0 ? -kInf : y[j];
+      } else {
+        for (Index j = 0; j < m; ++j) y[j] = mk[j * stride] ? -kInf : y[j];
+      }
+    }
+    return true;
+  }
+
+  // y[j] -= slope * |distance - j|, where distance = q' - (key of y[0]).
+  static void add_alibi(Scalar* y, Index m, Scalar slope, Index distance) noexcept {
+    for (Index j = 0; j < m; ++j) {
+      const Index d = distance - j;
+      y[j] -= slope * static_cast<Scalar>(d < 0 ? -d : d);
+    }
+  }
+
+  const Visibility<Scalar>& visibility() const noexcept { return vis_; }
+
+ private:
+  const Visibility<Scalar>& vis_;
+  const AttentionProblem<Scalar>& p_;
+};
+
+}  // namespace kernels
+}  // namespace sdpa

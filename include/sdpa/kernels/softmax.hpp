@@ -1,0 +1,122 @@
+// The online softmax (FlashAttention's running max and sum) as one small state per query row, shared by
+// the tiled forward, the decoding step and the backward pass, and the one finisher that turns a row's state
+// and output accumulator into its attention output under the masked-row policy (the reference kernel ends
+// its rows through it too). NaN propagates: a NaN score makes the row's max, sum and output NaN, as in
+// PyTorch; only a row that saw no visible key at all gets the masked-row policy.
+#pragma once
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "sdpa/kernels/exp_avx512.hpp"
+#include "sdpa/options.hpp"
+
+namespace sdpa {
+namespace kernels {
+namespace detail {
+
+// x[j] = exp(x[j] - shift) for j < n, returning the sum of the results: the softmax's one pass over a
+// row of scores. Hidden keys (-inf) give exactly 0. Eigen's vectorised exp is the portable version (it
+// clamps its argument, so the -inf entries are selected to 0 explicitly).
+template <typename Scalar>
+struct PortableShiftedExp {
+  static constexpr bool kExpZeroesMasked = true;
+  static Scalar run(Scalar* x, Eigen::Index n, Scalar shift) noexcept {
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
+    a = (a == -std::numeric_limits<Scalar>::infinity()).select(Scalar(0), (a - shift).exp());
+    return a.sum();
+  }
+};
+
+template <typename Scalar>
+struct ShiftedExp : PortableShiftedExp<Scalar> {};
+
+#if defined(__AVX512F__)
+template <>
+struct ShiftedExp<float> : ShiftedExpAvx512Float {};
+#endif
+
+}  // namespace detail
+
+// One query row's running softmax: the max of the scores folded so far (NaN once any was NaN), the sum of
+// their exponentials relative to it, and whether the row has seen any visible key.
+template <typename Scalar>
+struct SoftmaxRow {
+  static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+  Scalar max = -kInf;
+  Scalar sum = Scalar(0);
+  bool seen = false;
+
+  // Folds a segment of final scores (hidden keys -inf) into the row: x becomes exp(x - new max), and the
+  // return value is the factor by which the row's output accumulator must be scaled first (1: unchanged).
+  Scalar fold(Scalar* x, Eigen::Index n) noexcept {
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
+    const Scalar segment_max = a.template maxCoeff<Eigen::PropagateNaN>();
+    if (segment_max == -kInf) {
+      // Nothing visible here, or only -inf scores: adds nothing (exp(-inf - m) = 0), changes nothing.
+      a.setZero();
+      return Scalar(1);
+    }
+    const Scalar old_max = max;
+    max = std::isnan(old_max) || !(segment_max > old_max || std::isnan(segment_max)) ? old_max : segment_max;
+    const Scalar segment_sum = detail::ShiftedExp<Scalar>::run(x, n, max);
+    if (old_max == -kInf) {
+      sum = segment_sum;  // the accumulator is still zero
+      return Scalar(1);
+    }
+    if (max == old_max) {  // false for NaN: the accumulator becomes NaN below
+      sum += segment_sum;
+      return Scalar(1);
+    }
+    // exp(old - new) with both finite (or NaN, which propagates): never exp(-inf - -inf).
+    const Scalar alpha = std::exp(old_max - max);
+    sum = sum * alpha + segment_sum;
+    return alpha;
+  }
+
+  // log(sum of exp(scores)): what a backward pass recomputes the probabilities from, p = exp(s - lse).
+  // -inf for a row without visible keys.
+  Scalar log_sum_exp() const noexcept { return seen ? max + std::log(sum) : -kInf; }
+
+  // Merges another partial state of the same row (another range of its keys), whose accumulator is
+  // other_acc, into this one and acc (flash-decoding's split of the keys across threads).
+  void merge(const SoftmaxRow& other, Scalar* acc, const Scalar* other_acc, Eigen::Index d) noexcept {
+    seen = seen || other.seen;
+    if (other.max == -kInf) return;  // the other part folded nothing: its sum and accumulator are 0
+    if (max == -kInf) {
+      max = other.max;
+      sum = other.sum;
+      std::copy(other_acc, other_acc + d, acc);
+      return;
+    }
+    const Scalar m = std::isnan(max) || std::isnan(other.max) ? std::numeric_limits<Scalar>::quiet_NaN()
+                                                               : std::max(max, other.max);
+    const Scalar a = std::exp(max - m), b = std::exp(other.max - m);
+    for (Eigen::Index i = 0; i < d; ++i) acc[i] = acc[i] * a + other_acc[i] * b;
+    sum = sum * a + other.sum * b;
+    max = m;
+  }
+};
+
+// A row's attention output from its state and accumulator (the probabilities-times-v sum, not yet
+// divided): the masked-row policy when it saw no visible key, zero when dropout removed everything (p = 1),
+// otherwise acc / sum. Visible scores that were all -inf leave sum = 0 and acc = 0: 0 * (1 / 0) is NaN, as
+// PyTorch's softmax gives.
+template <typename Scalar>
+void finish_row(Scalar* out, const Scalar* acc, Eigen::Index d, const SoftmaxRow<Scalar>& row, MaskedRows policy,
+                bool accumulated = true) noexcept {
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> o(out, d);
+  if (!row.seen) {
+    o.setConstant(policy == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(0));
+  } else if (!accumulated) {
+    o.setZero();
+  } else {
+    o = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(acc, d) * (Scalar(1) / row.sum);
+  }
+}
+
+}  // namespace kernels
+}  // namespace sdpa
