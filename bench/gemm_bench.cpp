@@ -181,8 +181,11 @@ void ours(benchmark::State& state, Shape s, int threads) {
 }
 
 // The attention tiles through the packed API: B packed once outside the loop (a key or value block shared
-// by the query blocks of a group); with pack_a, A is packed again for every product (a probability block).
-void ours_packed(benchmark::State& state, Shape s, bool pack_a) {
+// by the query blocks of a group); A packed once too (a query block), packed again for every product, or
+// read in place (a probability block, used once).
+enum class AUse { kPackedOnce, kPackedEachCall, kInPlace };
+
+void ours_packed(benchmark::State& state, Shape s, AUse a_use) {
   Operands x(s);
   sdpa::gemm::PackedA<float> pa;
   sdpa::gemm::PackedB<float> pb;
@@ -193,7 +196,11 @@ void ours_packed(benchmark::State& state, Shape s, bool pack_a) {
   }
   pa.pack(s.m, s.k, x.a.data(), s.k);
   time_product(state, 2.0 * s.m * s.n * s.k, 1, [&]() {
-    if (pack_a) pa.pack(s.m, s.k, x.a.data(), s.k);
+    if (a_use == AUse::kInPlace) {
+      sdpa::gemm::multiply(s.m, x.a.data(), s.k, pb, 1.0f, 0.0f, x.c.data(), s.n);
+      return;
+    }
+    if (a_use == AUse::kPackedEachCall) pa.pack(s.m, s.k, x.a.data(), s.k);
     sdpa::gemm::multiply(pa, pb, 1.0f, 0.0f, x.c.data(), s.n);
   });
 }
@@ -272,8 +279,10 @@ void register_all() {
       };
       reg("sdpa_" + isa, [s, threads](benchmark::State& st) { ours(st, s, threads); });
       if (tile) {
-        reg("sdpa_" + isa + "_packed", [s](benchmark::State& st) { ours_packed(st, s, false); });
-        reg("sdpa_" + isa + "_packed_pack_a", [s](benchmark::State& st) { ours_packed(st, s, true); });
+        reg("sdpa_" + isa + "_packed", [s](benchmark::State& st) { ours_packed(st, s, AUse::kPackedOnce); });
+        reg("sdpa_" + isa + "_packed_pack_a",
+            [s](benchmark::State& st) { ours_packed(st, s, AUse::kPackedEachCall); });
+        reg("sdpa_" + isa + "_packed_b_a_in_place", [s](benchmark::State& st) { ours_packed(st, s, AUse::kInPlace); });
       }
       reg("eigen", [s, threads](benchmark::State& st) { eigen(st, s, threads); });
 #ifdef SDPA_BENCH_WITH_SGEMM

@@ -35,7 +35,8 @@ constexpr double tolerance() {
   return std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
 }
 
-enum class Op { kNT, kNN, kNTBias, kPackedNT, kPackedNN };
+// kInPlace*: B packed, A read in place (multiply(m, a, lda, packed_b, ...)).
+enum class Op { kNT, kNN, kNTBias, kPackedNT, kPackedNN, kInPlaceNT, kInPlaceNN };
 
 const char* op_name(Op op) {
   switch (op) {
@@ -44,10 +45,12 @@ const char* op_name(Op op) {
     case Op::kNTBias: return "gemm_nt_bias";
     case Op::kPackedNT: return "packed nt";
     case Op::kPackedNN: return "packed nn";
+    case Op::kInPlaceNT: return "packed B nt, A in place";
+    case Op::kInPlaceNN: return "packed B nn, A in place";
   }
   return "?";
 }
-bool is_nt(Op op) { return op != Op::kNN && op != Op::kPackedNN; }
+bool is_nt(Op op) { return op != Op::kNN && op != Op::kPackedNN && op != Op::kInPlaceNN; }
 bool has_bias(Op op) { return op == Op::kNTBias; }
 
 struct Shape {
@@ -131,6 +134,17 @@ std::vector<Scalar> run(Op op, const Shape& s, Scalar alpha, Scalar beta, const 
         pb.pack_nn(s.k, s.n, x.b.data(), x.ldb);
       }
       gemm::multiply(pa, pb, alpha, beta, c.data(), x.ldc, nullptr, device);
+      break;
+    }
+    case Op::kInPlaceNT:
+    case Op::kInPlaceNN: {
+      gemm::PackedB<Scalar> pb;
+      if (op == Op::kInPlaceNT) {
+        pb.pack_nt(s.n, s.k, x.b.data(), x.ldb);
+      } else {
+        pb.pack_nn(s.k, s.n, x.b.data(), x.ldb);
+      }
+      gemm::multiply(s.m, x.a.data(), x.lda, pb, alpha, beta, c.data(), x.ldc, nullptr, device);
       break;
     }
   }
@@ -244,6 +258,8 @@ TYPED_TEST(GemmTest, NtMatchesReference) { check_all_shapes<TypeParam>(Op::kNT);
 TYPED_TEST(GemmTest, NnMatchesReference) { check_all_shapes<TypeParam>(Op::kNN); }
 TYPED_TEST(GemmTest, PackedNtMatchesReference) { check_all_shapes<TypeParam>(Op::kPackedNT); }
 TYPED_TEST(GemmTest, PackedNnMatchesReference) { check_all_shapes<TypeParam>(Op::kPackedNN); }
+TYPED_TEST(GemmTest, InPlaceANtMatchesReference) { check_all_shapes<TypeParam>(Op::kInPlaceNT); }
+TYPED_TEST(GemmTest, InPlaceANnMatchesReference) { check_all_shapes<TypeParam>(Op::kInPlaceNN); }
 
 TYPED_TEST(GemmTest, NtBiasMatchesReference) {
   for (const Shape& s : shapes(gemm::blocking<TypeParam>())) {
@@ -342,17 +358,20 @@ TYPED_TEST(GemmTest, PackedBias) {
     gemm::PackedB<Scalar> pb;
     pa.pack(s.m, s.k, x.a.data(), x.lda);
     pb.pack_nt(s.n, s.k, x.b.data(), x.ldb);
-    std::vector<Scalar> one = x.c0, two = x.c0;
+    std::vector<Scalar> one = x.c0, two = x.c0, in_place = x.c0;
     gemm::multiply(pa, pb, Scalar(1), Scalar(0), one.data(), x.ldc, x.bias.data());
     gemm::multiply(pa, pb, Scalar(1), Scalar(0), two.data(), x.ldc, x.bias.data(), two_threads());
+    gemm::multiply(s.m, x.a.data(), x.lda, pb, Scalar(1), Scalar(0), in_place.data(), x.ldc, x.bias.data());
     expect_matches(Op::kNTBias, s, 1.0, 0.0, x, one, "packed bias m=" + std::to_string(s.m));
+    expect_matches(Op::kNTBias, s, 1.0, 0.0, x, in_place, "in-place A bias m=" + std::to_string(s.m));
     EXPECT_TRUE(std::memcmp(one.data(), two.data(), one.size() * sizeof(Scalar)) == 0);
   }
 }
 
 // The attention kernel's use: query blocks packed once, each key and value block packed once and
 // multiplied by every query block of the group; S = scale Q_i K_j^T, O_i += S_i V_j (S standing in for
-// the probabilities), against the reference over the whole sequence.
+// the probabilities, read in place for one key block in two and packed for the others), against the
+// reference over the whole sequence.
 TYPED_TEST(GemmTest, AttentionTilePattern) {
   using Scalar = TypeParam;
   const Index bq = 19, bk = 45, d = 72, dv = 40, groups = 3, key_blocks = 3;
@@ -376,8 +395,12 @@ TYPED_TEST(GemmTest, AttentionTilePattern) {
     vb.pack_nn(bk, dv, v.data() + j * bk * dv, dv);
     for (Index i = 0; i < groups; ++i) {
       gemm::multiply(qa[to_size(i)], kb, scale, Scalar(0), s.data(), bk);
-      sa.pack(bq, bk, s.data(), bk);
-      gemm::multiply(sa, vb, Scalar(1), Scalar(1), o.data() + i * bq * dv, dv);
+      if (j % 2 == 0) {
+        gemm::multiply(bq, s.data(), bk, vb, Scalar(1), Scalar(1), o.data() + i * bq * dv, dv);
+      } else {
+        sa.pack(bq, bk, s.data(), bk);
+        gemm::multiply(sa, vb, Scalar(1), Scalar(1), o.data() + i * bq * dv, dv);
+      }
     }
   }
   const double tol = tolerance<Scalar>() * std::sqrt(double(d + nk));

@@ -1,9 +1,12 @@
-// What a micro-kernel does with its accumulators when it stores a tile of C. The k dimension is cut into
-// blocks (see blocking.hpp); the first block's store applies beta and the bias, the later ones add their
-// partial sums. Every element of C therefore goes through the same sequence of roundings whichever thread
-// computes it and whichever tile (full or edge) it falls in, which is what makes results independent of
-// the thread count.
+// What a micro-kernel reads and what it does with its accumulators. A comes either packed (mr values per
+// k step, contiguous) or in place (rows of a row-major matrix, for an operand used once, where packing
+// would cost more than it saves). The k dimension is cut into blocks (see blocking.hpp); the first
+// block's store applies beta and the bias, the later ones add their partial sums. Every element of C
+// therefore goes through the same sequence of roundings whichever thread computes it and whichever tile
+// (full or edge) it falls in, which is what makes results independent of the thread count.
 #pragma once
+
+#include <Eigen/Core>
 
 #include "sdpa/gemm/isa.hpp"
 
@@ -11,6 +14,23 @@ namespace sdpa {
 namespace gemm {
 inline namespace SDPA_GEMM_ABI_NAMESPACE {
 namespace detail {
+
+// A packed sliver: value r of k step p at a[p * Stride + r].
+template <typename Scalar, Eigen::Index Stride>
+struct PackedSliver {
+  const Scalar* a;
+  const Scalar* ptr(int r) const noexcept { return a + r; }
+  void step() noexcept { a += Stride; }
+};
+
+// Rows of A where they lie: value r of k step p at a[r * lda + p].
+template <typename Scalar>
+struct RowsInPlace {
+  const Scalar* a;
+  Eigen::Index lda;
+  const Scalar* ptr(int r) const noexcept { return a + r * lda; }
+  void step() noexcept { ++a; }
+};
 
 template <typename Scalar>
 struct Epilogue {

@@ -1,8 +1,8 @@
 // The kernel this build uses and the loop around it that covers one packed block: rows x cols of C from
-// a k block of packed A (ceil(rows / mr) slivers) and packed B (ceil(cols / nr) slivers). With AVX-512 or
-// AVX2 the loop runs register-tile micro-kernels (A sliver outside, so that it stays in L1 while the B
-// slivers pass); without either, mr = nr = 1 makes a packed block a plain row-major matrix (A as
-// [rows, kc], B as [cols, kc]) and the block is one Eigen product, which is correct on any target.
+// a k block of packed A (ceil(rows / mr) slivers; or A in place) and packed B (ceil(cols / nr) slivers).
+// With AVX-512 or AVX2 the loop runs register-tile micro-kernels (A sliver outside, so that it stays in L1
+// while the B slivers pass); without either, mr = nr = 1 makes a packed block a plain row-major matrix
+// (A as [rows, kc], B as [cols, kc]) and the block is one Eigen product, which is correct on any target.
 #pragma once
 
 #include <Eigen/Core>
@@ -55,29 +55,49 @@ struct Kernel {
   static void block(Index kc, Index rows, Index cols, const Scalar* pa, const Scalar* pb, Scalar* c, Index ldc,
                     const Epilogue<Scalar>& ep) noexcept {
     for (Index i = 0; i < rows; i += mr) {
-      const TileFn tile = tiles()[static_cast<std::size_t>(std::min(mr, rows - i) - 1)];
-      Epilogue<Scalar> e = ep;
       // The first tile of a row prefetches the next row's A sliver: one sliver's worth of tiles ahead.
       const Scalar* a_next = i + mr < rows ? pa + mr * kc : nullptr;
-      for (Index j = 0; j < cols; j += nr) {
-        e.bias = ep.bias != nullptr ? ep.bias + j : nullptr;
-        tile(kc, pa, pb + j * kc, c + i * ldc + j, ldc, std::min(nr, cols - j), e, j == 0 ? a_next : nullptr);
-      }
+      row_of_tiles(tiles<Packed>()[static_cast<std::size_t>(std::min(mr, rows - i) - 1)], kc, Packed{pa}, cols, pb,
+                   c + i * ldc, ldc, ep, a_next);
       pa += mr * kc;
     }
   }
 
+  // The same with A read where it lies, a[rows, kc] with leading dimension lda.
+  static void block_in_place(Index kc, Index rows, Index cols, const Scalar* a, Index lda, const Scalar* pb, Scalar* c,
+                             Index ldc, const Epilogue<Scalar>& ep) noexcept {
+    for (Index i = 0; i < rows; i += mr) {
+      row_of_tiles(tiles<InPlace>()[static_cast<std::size_t>(std::min(mr, rows - i) - 1)], kc,
+                   InPlace{a + i * lda, lda}, cols, pb, c + i * ldc, ldc, ep, nullptr);
+    }
+  }
+
  private:
-  using TileFn = void (*)(Index, const Scalar*, const Scalar*, Scalar*, Index, Index, const Epilogue<Scalar>&,
+  using Packed = PackedSliver<Scalar, mr>;
+  using InPlace = RowsInPlace<Scalar>;
+  template <typename ASource>
+  using TileFn = void (*)(Index, ASource, const Scalar*, Scalar*, Index, Index, const Epilogue<Scalar>&,
                           const Scalar*);
-  template <std::size_t... R>
-  static constexpr std::array<TileFn, sizeof...(R)> make_tiles(std::index_sequence<R...>) noexcept {
-    return {{&Micro::template tile<static_cast<int>(R) + 1>...}};
+
+  template <typename ASource>
+  static void row_of_tiles(TileFn<ASource> tile, Index kc, ASource a, Index cols, const Scalar* pb, Scalar* c,
+                           Index ldc, const Epilogue<Scalar>& ep, const Scalar* a_next) noexcept {
+    Epilogue<Scalar> e = ep;
+    for (Index j = 0; j < cols; j += nr) {
+      e.bias = ep.bias != nullptr ? ep.bias + j : nullptr;
+      tile(kc, a, pb + j * kc, c + j, ldc, std::min(nr, cols - j), e, j == 0 ? a_next : nullptr);
+    }
+  }
+
+  template <typename ASource, std::size_t... R>
+  static constexpr std::array<TileFn<ASource>, sizeof...(R)> make_tiles(std::index_sequence<R...>) noexcept {
+    return {{&Micro::template tile<static_cast<int>(R) + 1, ASource>...}};
   }
   // tiles()[r - 1] computes r rows: the bottom edge runs as many accumulator chains as it has rows.
-  static const std::array<TileFn, static_cast<std::size_t>(mr)>& tiles() noexcept {
-    static constexpr std::array<TileFn, static_cast<std::size_t>(mr)> table =
-        make_tiles(std::make_index_sequence<static_cast<std::size_t>(mr)>{});
+  template <typename ASource>
+  static const std::array<TileFn<ASource>, static_cast<std::size_t>(mr)>& tiles() noexcept {
+    static constexpr std::array<TileFn<ASource>, static_cast<std::size_t>(mr)> table =
+        make_tiles<ASource>(std::make_index_sequence<static_cast<std::size_t>(mr)>{});
     return table;
   }
 };
@@ -104,9 +124,15 @@ struct Kernel {
 
   static void block(Index kc, Index rows, Index cols, const Scalar* pa, const Scalar* pb, Scalar* c, Index ldc,
                     const Epilogue<Scalar>& ep) noexcept {
+    block_in_place(kc, rows, cols, pa, kc, pb, c, ldc, ep);
+  }
+
+  static void block_in_place(Index kc, Index rows, Index cols, const Scalar* pa, Index lda, const Scalar* pb, Scalar* c,
+                             Index ldc, const Epilogue<Scalar>& ep) noexcept {
     using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     using Stride = Eigen::OuterStride<>;
-    const Eigen::Map<const RowMatrix> a(pa, rows, kc), b(pb, cols, kc);
+    const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> a(pa, rows, kc, Stride(lda));
+    const Eigen::Map<const RowMatrix> b(pb, cols, kc);
     Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cm(c, rows, cols, Stride(ldc));
     if (!ep.first) {
       cm.noalias() += ep.alpha * a * b.transpose();

@@ -134,8 +134,8 @@ struct Avx512Kernel {
   // Rows are padding) and packed B (nr values per step, zero past cols). Columns past cols are computed
   // and dropped: masked stores, so that a ragged right edge costs no separate code path. a_next, when
   // not null, is the A sliver the next row of tiles will read.
-  template <int Rows>
-  static void tile(Index kc, const Scalar* a, const Scalar* b, Scalar* c, Index ldc, Index cols,
+  template <int Rows, typename ASource>
+  static void tile(Index kc, ASource a, const Scalar* b, Scalar* c, Index ldc, Index cols,
                    const Epilogue<Scalar>& ep, const Scalar* a_next) noexcept {
     Reg acc[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)];
 #pragma GCC unroll 16
@@ -156,14 +156,14 @@ struct Avx512Kernel {
       for (int v = 0; v < vectors; ++v) bv[v] = V::load(b + v * V::width);
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
-        const Reg ar = V::set1(a[r]);
+        const Reg ar = V::set1(*a.ptr(r));
 #pragma GCC unroll 4
         for (int v = 0; v < vectors; ++v) acc[r][v] = V::fmadd(ar, bv[v], acc[r][v]);
       }
       // The next A sliver comes from the A block in L3, and the hardware prefetcher does not fetch it
       // early enough: brought to L2 during this tile, it saves 7% of a projection (AVX-512).
       if (a_next != nullptr) V::prefetch_l2(a_next + p * mr);
-      a += mr;
+      a.step();
       b += nr;
     }
     store<Rows>(acc, c, ldc, cols, ep);

@@ -8,17 +8,20 @@
 //            the product is A b^T), pack_nn(k, n, b, ldb) takes b[k, n] (values: the product is A b).
 //   multiply(pa, pb, alpha, beta, c, ldc, bias = nullptr, device = nullptr)
 //            C[m, n] = alpha * A B + beta * C (+ bias[n]); beta = 0 never reads C.
+//   multiply(m, a, lda, pb, alpha, beta, c, ldc, bias = nullptr, device = nullptr)
+//            the same with A read in place from row-major a[m, k]: for an A used once (the probabilities
+//            of p v), which packing would cost a transpose of m x k for a single product.
 //
 // pack() reallocates only when the operand is larger than every one the object held before (reserve()
 // sizes it up front), so objects kept per worker make the attention loop allocation-free:
-//   PackedB kb, vb; PackedA qa[group], pa;                   // per worker, reused across heads and batches
+//   PackedB kb, vb; PackedA qa[group];                       // per worker, reused across heads and batches
 //   for each query block i of the group: qa[i].pack(bq, d, q_i, ldq)        // once per group
 //   for each key block j:
 //     kb.pack_nt(bk, d, k_j, ldk); vb.pack_nn(bk, dv, v_j, ldv)            // once per key block
 //     for each query block i:
 //       multiply(qa[i], kb, scale, 0, s, bk)                                // S = scale Q_i K_j^T
 //       (online softmax of s into p)
-//       pa.pack(bq, bk, p, bk); multiply(pa, vb, 1, 1, o_i, ldo)           // O_i += P_i V_j
+//       multiply(bq, p, bk, vb, 1, 1, o_i, ldo)                             // O_i += P_i V_j
 // Both operands hold the whole depth k in blocks of kc (blocking.hpp), so a product of packed operands
 // sums in the same order as gemm_nt/gemm_nn and gives the same bits. The objects are not thread-safe to
 // pack concurrently; multiplying from several threads with the same packed operands is safe.
@@ -165,6 +168,42 @@ void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDedu
         const detail::Epilogue<Scalar> ep{alpha, beta, bias != nullptr ? bias + j0 : nullptr, p0 == 0};
         K::block(kcp, rows, cols, a.data() + p0 * m_padded + i0 * kcp, b.data() + p0 * n_padded + j0 * kcp,
                  c + i0 * ldc + j0, ldc, ep);
+      }
+    }
+  });
+}
+
+// C[m, n] (ldc) = alpha * A B + beta * C (+ bias[n]) with A = a[m, b.depth()] (row-major, leading
+// dimension lda) read where it lies.
+template <typename Scalar>
+void multiply(Eigen::Index m, const Scalar* a, Eigen::Index lda, const PackedB<Scalar>& b,
+              detail::NoDeduceT<Scalar> alpha, detail::NoDeduceT<Scalar> beta, Scalar* c, Eigen::Index ldc,
+              detail::NoDeduceT<const Scalar*> bias = nullptr, const Eigen::ThreadPoolDevice* device = nullptr) {
+  using Index = Eigen::Index;
+  using K = detail::Kernel<Scalar>;
+  const Index n = b.cols(), k = b.depth();
+  eigen_assert(m >= 0 && "sdpa::gemm::multiply: negative m");
+  eigen_assert((m == 0 || k == 0 || lda >= k) && "sdpa::gemm::multiply: lda is smaller than k");
+  eigen_assert((m == 0 || ldc >= n) && "sdpa::gemm::multiply: ldc is smaller than n");
+  if (m <= 0 || n == 0) return;
+  if (k == 0 || alpha == Scalar(0)) {
+    detail::scale_only(m, n, beta, bias, c, ldc);
+    return;
+  }
+  const Blocking& bl = blocking<Scalar>();
+  const detail::Split split(m, n, bl, detail::min_items<Scalar>(worker_count(device)));
+  const Index n_padded = detail::round_up(n, K::nr);
+  parallel_for(device, split.count(), 1, [&](Index t0, Index t1) {
+    for (Index item = t0; item < t1; ++item) {
+      const Index i0 = item / split.n_items * split.m_step;
+      const Index j0 = item % split.n_items * split.n_step;
+      const Index rows = std::min(split.m_step, m - i0);
+      const Index cols = std::min(split.n_step, n - j0);
+      for (Index p0 = 0; p0 < k; p0 += bl.kc) {
+        const Index kcp = std::min(bl.kc, k - p0);
+        const detail::Epilogue<Scalar> ep{alpha, beta, bias != nullptr ? bias + j0 : nullptr, p0 == 0};
+        K::block_in_place(kcp, rows, cols, a + i0 * lda + p0, lda, b.data() + p0 * n_padded + j0 * kcp,
+                          c + i0 * ldc + j0, ldc, ep);
       }
     }
   });
