@@ -214,7 +214,7 @@ template <typename T>
     const bool got_nan = std::isnan(got[i]), want_nan = std::isnan(want[i]);
     if (got_nan != want_nan)
       return ::testing::AssertionFailure() << "element " << i << ": got " << got[i] << ", want " << want[i];
-    if (want_nan) continue;
+    if (want_nan || got[i] == want[i]) continue;  // equal infinities included
     const double err = std::abs(double(got[i]) - double(want[i]));
     if (!(err <= tol * std::max(1.0, std::abs(double(want[i])))))
       return ::testing::AssertionFailure() << "element " << i << ": got " << got[i] << ", want " << want[i]
@@ -687,6 +687,144 @@ TYPED_TEST(TiledTest, ForcedBlocksAreUsed) {
   // Blocks longer than the sequences shrink to them.
   run_tiled(*t, nullptr, TileConfig{1000, 1000}, &stats);
   EXPECT_EQ(stats.tiles_computed, s.batch * s.heads);
+}
+
+// ------------------------------------------------------------------------------ options without tensors
+
+// Sets the tensor-free options on a test problem (q' = q + nk - nq, as the module sets it).
+template <typename T>
+struct OptionSet {
+  bool causal = false;
+  Index window_left = -1, window_right = -1;
+  std::vector<Index> key_lengths;
+  std::vector<T> alibi;
+  bool bias = false;
+};
+
+template <typename T>
+struct OptionProblem {
+  std::unique_ptr<TestProblem<T>> t;
+  std::vector<Index> key_lengths;
+  std::vector<T> alibi;
+  Eigen::Tensor<T, 4, Eigen::RowMajor> bias;
+};
+
+template <typename T>
+OptionProblem<T> make_option_problem(const Spec& s, const OptionSet<T>& o) {
+  OptionProblem<T> op;
+  op.t = make_problem<T>(s);
+  op.key_lengths = o.key_lengths;
+  op.alibi = o.alibi;
+  AttentionProblem<T>& p = op.t->p;
+  p.causal = o.causal;
+  p.window_left = o.window_left;
+  p.window_right = o.window_right;
+  p.query_offset = s.nk - s.nq;
+  p.key_lengths = op.key_lengths.empty() ? nullptr : op.key_lengths.data();
+  p.alibi = op.alibi.empty() ? nullptr : op.alibi.data();
+  if (o.bias) {
+    op.bias.resize(1, s.heads, s.nq, s.nk);
+    std::mt19937 gen(s.seed + 99);
+    std::uniform_real_distribution<double> u(-2.0, 2.0);
+    for (Index i = 0; i < op.bias.size(); ++i) op.bias.data()[i] = T(u(gen));
+    p.bias = sdpa::make_broadcast_view<T>(&op.bias, {{s.batch, s.heads, s.nq, s.nk}}, "tiled_test", "bias");
+  }
+  return op;
+}
+
+// The tiled kernel with every tensor-free option against the reference kernel, on tiny blocks (so that
+// the ranges cross many block boundaries), query groups, odd blocks and the default, on 1 and 2 threads;
+// the probabilities and the rows' log-sum-exp too.
+TYPED_TEST(TiledTest, OptionsMatchReferenceOnEveryBlocking) {
+  using T = TypeParam;
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice device(&pool, 2);
+  const std::array<std::array<Index, 2>, 3> sizes{{{{23, 23}}, {{9, 30}}, {{30, 9}}}};
+  for (const auto& n : sizes)
+    for (int variant = 0; variant < 7; ++variant) {
+      Spec s;
+      s.batch = 3;
+      s.nq = n[0];
+      s.nk = n[1];
+      s.seed = static_cast<std::uint32_t>(variant + 10 * n[0]);
+      OptionSet<T> o;
+      o.causal = variant == 0 || variant == 3 || variant == 6;
+      if (variant == 1 || variant == 3) o.window_left = 5;
+      if (variant == 2 || variant == 3) o.window_right = 0;
+      if (variant == 4 || variant == 6) o.key_lengths = {n[1], 0, n[1] / 2};
+      if (variant == 5 || variant == 6) {
+        o.alibi = {T(0.5), T(0.125)};
+        o.bias = true;
+      }
+      if (variant == 6) s.has_mask = true;
+      auto op = make_option_problem<T>(s, o);
+      TestProblem<T>& t = *op.t;
+      const std::vector<T> ref = run_reference(t);
+      std::vector<T> ref_probs(static_cast<std::size_t>(s.batch * s.heads * s.nq * s.nk), T(-1));
+      std::vector<T> ref_lse(static_cast<std::size_t>(s.batch * s.heads * s.nq), T(-1));
+      {
+        std::vector<T> out(ref.size());
+        AttentionProblem<T> p = t.p;
+        p.out = {out.data(), p.nq * p.heads * p.d_v, p.heads * p.d_v, p.d_v};
+        p.probabilities = ref_probs.data();
+        p.lse = ref_lse.data();
+        sdpa::kernels::reference_attention(p);
+      }
+      for (const TileConfig& c : {kTiny, kTinyGroups, TileConfig{5, 3, 2}, TileConfig{1, 1, 1}, TileConfig{}})
+        for (const Eigen::ThreadPoolDevice* d : {static_cast<const Eigen::ThreadPoolDevice*>(nullptr),
+                                                 static_cast<const Eigen::ThreadPoolDevice*>(&device)}) {
+          SCOPED_TRACE(describe(s, c) + " variant " + std::to_string(variant) + (d ? " 2 threads" : ""));
+          std::vector<T> out(ref.size(), T(-7)), probs(ref_probs.size(), T(-7)), lse(ref_lse.size(), T(-7));
+          AttentionProblem<T> p = t.p;
+          p.out = {out.data(), p.nq * p.heads * p.d_v, p.heads * p.d_v, p.d_v};
+          p.probabilities = probs.data();
+          p.lse = lse.data();
+          sdpa::kernels::tiled_attention(p, d, c);
+          EXPECT_TRUE(outputs_match(out, ref));
+          EXPECT_TRUE(outputs_match(probs, ref_probs, std::is_same<T, float>::value ? 1e-6 : 1e-13));
+          EXPECT_TRUE(outputs_match(lse, ref_lse, std::is_same<T, float>::value ? 1e-5 : 1e-12));
+          for (std::size_t i = 0; i < probs.size(); ++i) {
+            if (ref_probs[i] == T(0)) {
+              ASSERT_EQ(probs[i], T(0)) << i;
+            }
+          }
+        }
+    }
+}
+
+// Tiles that no row of a query block sees are not computed, for each option: causal and a window bound
+// the key loop of every query block; key lengths bound it per batch entry.
+TYPED_TEST(TiledTest, HiddenTilesAreNeverComputedForAnyOption) {
+  using T = TypeParam;
+  const Index n = 64;
+  Spec s;
+  s.batch = 2;
+  s.heads = 1;
+  s.nq = n;
+  s.nk = n;
+  const TileConfig c{4, 8, 1};
+  const Index q_blocks = n / c.block_q, k_blocks = n / c.block_k;
+  auto computed = [&](const OptionSet<T>& o) {
+    auto op = make_option_problem<T>(s, o);
+    TileStats stats;
+    const std::vector<T> out = run_tiled(*op.t, nullptr, c, &stats);
+    EXPECT_TRUE(outputs_match(out, run_reference(*op.t)));
+    return stats.tiles_computed;
+  };
+  OptionSet<T> causal;
+  causal.causal = true;
+  Index lower = 0;  // tiles with a key at or below the diagonal
+  for (Index q0 = 0; q0 < n; q0 += c.block_q)
+    for (Index k0 = 0; k0 < n; k0 += c.block_k) lower += k0 <= q0 + c.block_q - 1 ? 1 : 0;
+  EXPECT_EQ(computed(causal), s.batch * lower);
+  OptionSet<T> window;
+  window.causal = true;
+  window.window_left = 3;  // each query block of 4 sees keys q0 - 3 .. q0 + 3: one or two key blocks
+  EXPECT_LE(computed(window), s.batch * q_blocks * 2);
+  OptionSet<T> lengths;
+  lengths.key_lengths = {8, 17};  // one block, three blocks
+  EXPECT_EQ(computed(lengths), q_blocks * (1 + 3));
+  EXPECT_EQ(computed(OptionSet<T>{}), s.batch * q_blocks * k_blocks);
 }
 
 // The softmax's exp pass, whichever implementation this build uses, against std::exp: every length up to

@@ -136,10 +136,43 @@ inline std::vector<double> reference_linear_rows(const LinearParams& p, const st
 // Multiplies the softmax probability of (batch, head, query, key); e.g. 0 or 1 / (1 - p) for dropout.
 using DropoutFactor = std::function<double(Index b, Index h, Index q, Index k)>;
 
+// Everything that masks, modifies or hides the scores, by the definitions of sdpa::AttentionOptions, with
+// q' = q + (NK - NQ): s = q.k / sqrt(d_k); s *= weights; s += bias; s -= alibi[h] * |q' - k|; hidden (mask
+// true, causal k > q', window_left k < q' - wl, window_right k > q' + wr, k >= key_lengths[b]) -> -inf.
+struct ReferenceOptions {
+  const Array4* mask = nullptr;  // 1.0 = masked (true)
+  const Array4* weights = nullptr;
+  const Array4* bias = nullptr;
+  bool causal = false;
+  Index window_left = -1, window_right = -1;
+  std::vector<Index> key_lengths;
+  std::vector<double> alibi;
+  bool nan_rows = false;  // the kNaN policy
+  const DropoutFactor* dropout = nullptr;
+  std::vector<double>* probabilities = nullptr;  // when set: (B, H, NQ, NK), the softmax before dropout
+};
+
+inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, const Array3& keys,
+                                const Array3& values, const ReferenceOptions& o);
+
 // The whole forward in double. mask: 1.0 = masked (true). nan_rows: the kNaN policy.
 inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, const Array3& keys,
                                 const Array3& values, const Array4* mask = nullptr, const Array4* weights = nullptr,
                                 bool nan_rows = false, const DropoutFactor* dropout = nullptr) {
+  ReferenceOptions o;
+  o.mask = mask;
+  o.weights = weights;
+  o.nan_rows = nan_rows;
+  o.dropout = dropout;
+  return reference_forward(p, queries, keys, values, o);
+}
+
+inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, const Array3& keys,
+                                const Array3& values, const ReferenceOptions& o) {
+  const Array4* mask = o.mask;
+  const Array4* weights = o.weights;
+  const bool nan_rows = o.nan_rows;
+  const DropoutFactor* dropout = o.dropout;
   const Index B = queries.dims[0], NQ = queries.dims[1], NK = keys.dims[1], D = p.d_model, H = p.h;
   const Index DK = p.d_k, DV = p.d_v;
   if (queries.dims[2] != D || keys.dims[2] != D || values.dims[2] != D || keys.dims[0] != B ||
@@ -152,6 +185,16 @@ inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, co
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<double> s(static_cast<std::size_t>(NK));
   std::vector<bool> hidden(static_cast<std::size_t>(NK));
+  if (o.probabilities) o.probabilities->assign(static_cast<std::size_t>(B * H * NQ * NK), 0.0);
+  auto is_hidden = [&](Index b, Index h, Index i, Index j) {
+    const Index pos = i + (NK - NQ);
+    if (mask && mask->at(b, h, i, j) != 0.0) return true;
+    if (o.causal && j > pos) return true;
+    if (o.window_left >= 0 && j < pos - o.window_left) return true;
+    if (o.window_right >= 0 && j > pos + o.window_right) return true;
+    if (!o.key_lengths.empty() && j >= o.key_lengths[static_cast<std::size_t>(b)]) return true;
+    return false;
+  };
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h)
       for (Index i = 0; i < NQ; ++i) {
@@ -162,7 +205,10 @@ inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, co
           for (Index d = 0; d < DK; ++d) dot += q[qrow + static_cast<std::size_t>(d)] * k[krow + static_cast<std::size_t>(d)];
           double x = dot / std::sqrt(static_cast<double>(DK));
           if (weights) x *= weights->at(b, h, i, j);
-          hidden[static_cast<std::size_t>(j)] = mask && mask->at(b, h, i, j) != 0.0;
+          if (o.bias) x += o.bias->at(b, h, i, j);
+          if (!o.alibi.empty())
+            x -= o.alibi[static_cast<std::size_t>(h)] * std::abs(static_cast<double>(i + (NK - NQ) - j));
+          hidden[static_cast<std::size_t>(j)] = is_hidden(b, h, i, j);
           if (hidden[static_cast<std::size_t>(j)]) x = -inf;
           s[static_cast<std::size_t>(j)] = x;
         }
@@ -179,9 +225,11 @@ inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, co
           if (std::isnan(x) || std::isnan(mx)) mx = std::numeric_limits<double>::quiet_NaN();
           else mx = std::max(mx, x);
         }
+        double* prob_row = o.probabilities ? &(*o.probabilities)[static_cast<std::size_t>(((b * H + h) * NQ + i) * NK)] : nullptr;
         if (!any_visible) {
           if (nan_rows)
             for (Index d = 0; d < DV; ++d) out[d] = std::numeric_limits<double>::quiet_NaN();
+          if (prob_row && nan_rows) std::fill(prob_row, prob_row + NK, std::numeric_limits<double>::quiet_NaN());
           continue;
         }
         double sum = 0.0;
@@ -192,6 +240,7 @@ inline Array3 reference_forward(const ModuleParams& p, const Array3& queries, co
           // difference from PyTorch, where 0 * NaN reaches the output).
           if (hidden[static_cast<std::size_t>(j)]) continue;
           double prob = std::exp(s[static_cast<std::size_t>(j)] - mx) / sum;
+          if (prob_row) prob_row[j] = prob;
           if (dropout) prob *= (*dropout)(b, h, i, j);
           const std::size_t vrow = static_cast<std::size_t>((b * NK + j) * H * DV + h * DV);
           for (Index d = 0; d < DV; ++d) out[d] += prob * v[vrow + static_cast<std::size_t>(d)];
@@ -213,6 +262,36 @@ Array3 reference_forward(const Module& m, const Q& queries, const K& keys, const
   if (weights) weights4 = to_array4(*weights);
   return reference_forward(params_of(m), to_array3(queries), to_array3(keys), to_array3(values),
                            mask ? &mask4 : nullptr, weights ? &weights4 : nullptr, nan_rows, dropout);
+}
+
+// From a module, Eigen tensors and an sdpa::AttentionOptions (its mask, weights, bias, causal, windows,
+// key lengths and ALiBi slopes are read; the rest is ignored).
+template <typename Module, typename Q, typename K, typename V, typename Options>
+Array3 reference_forward_with(const Module& m, const Q& queries, const K& keys, const V& values, const Options& opts,
+                              std::vector<double>* probabilities = nullptr, const DropoutFactor* dropout = nullptr) {
+  Array4 mask4, weights4, bias4;
+  ReferenceOptions o;
+  if (opts.attention_mask) {
+    mask4 = to_array4(*opts.attention_mask);
+    o.mask = &mask4;
+  }
+  if (opts.attention_weights) {
+    weights4 = to_array4(*opts.attention_weights);
+    o.weights = &weights4;
+  }
+  if (opts.attention_bias) {
+    bias4 = to_array4(*opts.attention_bias);
+    o.bias = &bias4;
+  }
+  o.causal = opts.causal;
+  o.window_left = static_cast<Index>(opts.window_left);
+  o.window_right = static_cast<Index>(opts.window_right);
+  for (auto l : opts.key_lengths) o.key_lengths.push_back(static_cast<Index>(l));
+  for (auto a : opts.alibi_slopes) o.alibi.push_back(static_cast<double>(a));
+  o.nan_rows = m.masked_rows() == decltype(m.masked_rows())::kNaN;
+  o.dropout = dropout;
+  o.probabilities = probabilities;
+  return reference_forward(params_of(m), to_array3(queries), to_array3(keys), to_array3(values), o);
 }
 
 // max |a - r| / max(max |r|, floor), NaN in the same places required (else +inf). Shapes must match.
