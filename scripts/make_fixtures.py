@@ -43,7 +43,9 @@ so such a query's output is fc_o.bias. Cases without fully masked rows give the 
 either policy (checked here).
 """
 
+import copy
 import hashlib
+import math
 import os
 import struct
 import sys
@@ -152,6 +154,73 @@ def forward_zero_masked_rows(m, queries, keys, values, attention_mask=None, atte
     return m.fc_o(out), scores, att
 
 
+# The ALiBi paper's reference slopes, verbatim from ofirpress/attention_with_linear_biases
+# (fairseq/models/transformer.py).
+def get_slopes(n):
+    def get_slopes_power_of_2(n):
+        start = (2**(-2**-(math.log2(n)-3)))
+        ratio = start
+        return [start*ratio**i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return get_slopes_power_of_2(n)
+    else:
+        closest_power_of_2 = 2**math.floor(math.log2(n))
+        return get_slopes_power_of_2(closest_power_of_2) + get_slopes(2*closest_power_of_2)[0::2][:n-closest_power_of_2]
+
+
+def hidden_by_options(case, dtype_device_shape):
+    """The bool (b, 1, nq, nk) tensor of keys hidden by causal, the windows and the key lengths, with
+    q' = q + (nk - nq) (lower-right alignment)."""
+    b, nq, nk = case.b, case.nq, case.nk
+    pos = torch.arange(nq).view(nq, 1) + (nk - nq)
+    key = torch.arange(nk).view(1, nk)
+    hidden = torch.zeros(b, 1, nq, nk, dtype=torch.bool)
+    if case.causal:
+        hidden |= (key > pos).view(1, 1, nq, nk)
+    if case.window_left >= 0:
+        hidden |= (key < pos - case.window_left).view(1, 1, nq, nk)
+    if case.window_right >= 0:
+        hidden |= (key > pos + case.window_right).view(1, 1, nq, nk)
+    if case.key_lengths is not None:
+        lengths = torch.tensor(case.key_lengths).view(b, 1, 1, 1)
+        hidden |= key.view(1, 1, 1, nk) >= lengths
+    return hidden
+
+
+def forward_with_options(m, case, queries, keys, values, attention_mask, attention_weights, policy):
+    """sdpa::AttentionOptions' definition in torch ops on the reference module's projections: scores
+    q k^T / sqrt(d_k), times the weights, plus the bias, minus slope[h] * |q' - k|, -inf where the mask or
+    an option hides a key, softmax (a fully hidden row: NaN under kNaN, zeros under kZero), times v, fc_o.
+    Returns (output, probabilities)."""
+    b_s, nq = queries.shape[:2]
+    nk = keys.shape[1]
+    dtype = queries.dtype
+    q = m.fc_q(queries).view(b_s, nq, m.h, m.d_k).permute(0, 2, 1, 3)
+    k = m.fc_k(keys).view(b_s, nk, m.h, m.d_k).permute(0, 2, 3, 1)
+    v = m.fc_v(values).view(b_s, nk, m.h, m.d_v).permute(0, 2, 1, 3)
+    att = torch.matmul(q, k) / np.sqrt(m.d_k)
+    if attention_weights is not None:
+        att = att * attention_weights
+    if case.bias is not None:
+        att = att + torch.from_numpy(case.bias).to(dtype)
+    if case.alibi is not None:
+        pos = torch.arange(nq, dtype=dtype).view(nq, 1) + (nk - nq)
+        dist = (pos - torch.arange(nk, dtype=dtype).view(1, nk)).abs()
+        att = att - torch.tensor(case.alibi, dtype=dtype).view(1, m.h, 1, 1) * dist
+    hidden = hidden_by_options(case, None)
+    if attention_mask is not None:
+        hidden = hidden | attention_mask
+    hidden = torch.broadcast_to(hidden, att.shape)
+    att = att.masked_fill(hidden, -np.inf)
+    att = torch.softmax(att, -1)
+    fully = hidden.all(-1, keepdim=True)
+    if policy == 0:
+        att = torch.where(fully, torch.zeros_like(att), att)
+    out = torch.matmul(att, v).permute(0, 2, 1, 3).contiguous().view(b_s, nq, m.h * m.d_v)
+    return m.fc_o(out), att
+
+
 # ---------------------------------------------------------------------------------------------------
 # Writing.
 MAGIC = b"SDPAFIX1"
@@ -233,6 +302,13 @@ class Case:
         self.expect_full_rows = False  # whether fully masked rows are intended
         self.large_logits = False
         self.nonfinite = False  # NaN or inf inputs: PyTorch's NaNs are the expectation
+        # sdpa::AttentionOptions without tensors, and the additive bias: see forward_with_options.
+        self.causal = False
+        self.window_left = -1
+        self.window_right = -1
+        self.key_lengths = None   # list, one per batch entry
+        self.alibi = None         # list, one slope per head
+        self.bias = None          # numpy float64 array, each dim 1 or full
         rng = np.random.default_rng(seed_of(name if seed is None else seed))
         self.rng = rng
         nq_eff = nk if self_attention else nq
@@ -348,6 +424,37 @@ def build_cases():
     c = Case("single_everything", b=1, nq=1, nk=1, d_model=8, d_k=8, d_v=8, h=1)
     cases.append(c)
 
+    # sdpa::AttentionOptions without tensors (causal, windows, key lengths, ALiBi) and the additive bias.
+    # Fully hidden rows (causal with nq > nk, a key length of 0) follow the policy of the file's dtype.
+    def option_case(name, b=2, nq=6, nk=6, h=2, **kw):
+        c = Case(name, b=b, nq=nq, nk=nk, d_model=8, d_k=3, d_v=4, h=h)
+        for key, value in kw.items():
+            setattr(c, key, value)
+        c.options = True
+        c.policy_by_dtype = True
+        return c
+    cases.append(option_case("causal_square", causal=True))
+    cases.append(option_case("causal_more_keys", nq=3, nk=8, causal=True))
+    cases.append(option_case("causal_more_queries", nq=8, nk=3, causal=True))
+    cases.append(option_case("window_left", nk=9, window_left=2))
+    cases.append(option_case("window_right", nq=7, window_right=1))
+    cases.append(option_case("window_both", nq=5, nk=9, window_left=2, window_right=1))
+    cases.append(option_case("window_zero", window_left=0, window_right=0))
+    cases.append(option_case("window_sliding_causal", nq=9, nk=9, causal=True, window_left=3))
+    cases.append(option_case("key_lengths", b=3, nq=4, nk=7, key_lengths=[7, 0, 3]))
+    for form in ("bhqk", "1hqk", "b11k", "11qk"):  # (a bias constant along keys changes nothing)
+        c = option_case(f"bias_{form}", nq=4, nk=5)
+        c.bias = c.rng.normal(0, 1.5, broadcast_shape(form, c.full))
+        cases.append(c)
+    cases.append(option_case("alibi", h=4, nq=6, nk=6, alibi=get_slopes(4)))
+    cases.append(option_case("alibi_causal_more_keys", h=3, nq=4, nk=9, causal=True, alibi=get_slopes(3)))
+    c = option_case("all_options", b=3, h=4, nq=5, nk=8, causal=True, window_left=4, key_lengths=[8, 6, 2],
+                    alibi=get_slopes(4))
+    c.mask = random_mask(c.rng, (3, 1, 5, 8), 0.2, True)
+    c.weights = random_weights(c.rng, (1, 4, 5, 8))
+    c.bias = c.rng.normal(0, 1.0, (3, 4, 1, 8))
+    cases.append(c)
+
     # Non-finite inputs propagate as in PyTorch: a NaN in one query makes that query's output NaN (and only
     # that query's); an infinite key element makes scores +-inf, hence NaN rows; a NaN in the keys at a
     # position the mask hides reaches nothing (its score is replaced by -inf).
@@ -389,10 +496,39 @@ def run(case, m, dtype, policy):
     v = q if case.self_attention else to_torch(case.values, dtype)
     mask = None if case.mask is None else torch.from_numpy(case.mask)
     w = to_torch(case.weights, dtype)
+    if getattr(case, "options", False):
+        with torch.no_grad():
+            y, att = forward_with_options(m, case, q, k, v, mask, w, policy)
+        return y, y, y, None, att, (q, k, v, mask, w)
     with torch.no_grad():
         y_nan = m(q, k, v, mask, w)
         y_zero, scores, att = forward_zero_masked_rows(m, q, k, v, mask, w)
     return (y_nan if policy == 1 else y_zero), y_nan, y_zero, scores, att, (q, k, v, mask, w)
+
+
+def check_options_case(case, y, att, inputs, m, policy):
+    """An options case: the options visibly change the output; probabilities rows sum to 1 or are fully
+    hidden; hidden keys are exactly 0."""
+    name = case.name
+    q, k, v, mask, w = inputs
+    hidden = hidden_by_options(case, None)
+    if mask is not None:
+        hidden = hidden | mask
+    hidden = torch.broadcast_to(hidden, att.shape)
+    fully = hidden.all(-1)
+    assert (att[hidden & ~fully.unsqueeze(-1)] == 0).all(), name
+    sums = att.sum(-1)
+    ok = ~fully
+    assert torch.allclose(sums[ok], torch.ones_like(sums[ok])), name
+    if policy == 1:
+        assert torch.isnan(att[fully]).all(), name
+    else:
+        assert (att[fully] == 0).all(), name
+    plain = m(q, k, v)
+    y_ok = ~torch.isnan(y)
+    diff = (y[y_ok] - plain[y_ok]).abs().max()
+    assert diff > 1e-3 * plain.abs().max(), f"{name}: the options change the output by {diff}"
+    return bool(fully.any())
 
 
 def check_case(case, y, y_nan, y_zero, scores, att, inputs, m):
@@ -473,7 +609,11 @@ def main():
             else:
                 params = {n: p.detach().numpy() for n, p in m.named_parameters()}
             y, y_nan, y_zero, scores, att, inputs = run(case, m, dtype, policy)
-            check_case(case, y, y_nan, y_zero, scores, att, inputs, m)
+            if getattr(case, "options", False):
+                with torch.no_grad():
+                    check_options_case(case, y, att, inputs, m, policy)
+            else:
+                check_case(case, y, y_nan, y_zero, scores, att, inputs, m)
             q, k, v, mask, w = inputs
             cond = ""
             if bits == 32:
@@ -503,6 +643,18 @@ def main():
                 entries.append(("attention_mask", mask.numpy()))
             if w is not None:
                 entries.append(("attention_weights", w.double().numpy()))
+            if getattr(case, "options", False):
+                entries.append(("causal", np.int64(1 if case.causal else 0)))
+                entries.append(("window_left", np.int64(case.window_left)))
+                entries.append(("window_right", np.int64(case.window_right)))
+                if case.key_lengths is not None:
+                    entries.append(("key_lengths", np.array(case.key_lengths, dtype=np.int64)))
+                if case.alibi is not None:
+                    # float32 files hold the slopes as the float32 values the module is given.
+                    entries.append(("alibi_slopes", torch.tensor(case.alibi, dtype=dtype).double().numpy()))
+                if case.bias is not None:
+                    entries.append(("attention_bias", to_torch(case.bias, dtype).double().numpy()))
+                entries.append(("probabilities", att.double().numpy()))
             entries.append(("output", y.double().numpy()))
             blob = encode_file(entries)
             fname = f"{case.name}_f{bits}.sdpafix"
@@ -522,6 +674,16 @@ def main():
 def run_with(case, m, dtype, policy, q, k, v, mask, w):
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     w = None if w is None else w.to(dtype)
+    if getattr(case, "options", False):
+        # The float32 file's bias and slopes, rounded to float32, evaluated in dtype.
+        rounded = copy.copy(case)
+        if case.bias is not None:
+            rounded.bias = case.bias.astype(np.float32).astype(np.float64)
+        if case.alibi is not None:
+            rounded.alibi = [float(np.float32(a)) for a in case.alibi]
+        with torch.no_grad():
+            y, _ = forward_with_options(m, rounded, q, k, v, mask, w, policy)
+        return y, y, y
     with torch.no_grad():
         y_nan = m(q, k, v, mask, w)
         y_zero, scores, att = forward_zero_masked_rows(m, q, k, v, mask, w)

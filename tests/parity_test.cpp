@@ -46,6 +46,12 @@ std::vector<std::string> case_names() {
        {"large_logits", "single_head", "single_batch", "single_query", "single_key", "single_everything",
         "nonfinite_query_nan", "nonfinite_key_inf", "nonfinite_hidden_key_nan"})
     cases.push_back(name);
+  // sdpa::AttentionOptions: PyTorch's output and probabilities for explicit masks and float biases.
+  for (const char* name :
+       {"causal_square", "causal_more_keys", "causal_more_queries", "window_left", "window_right", "window_both",
+        "window_zero", "window_sliding_causal", "key_lengths", "bias_bhqk", "bias_1hqk", "bias_b11k", "bias_11qk",
+        "alibi", "alibi_causal_more_keys", "all_options"})
+    cases.push_back(name);
   std::vector<std::string> files;
   for (const auto& c : cases) {
     files.push_back(c + "_f32");
@@ -135,6 +141,53 @@ void run_fixture(const Fixture& f, double tolerance) {
   if (f.has("attention_weights"))
     weights = std::make_unique<typename Module::Weights>(sdpa_test::to_tensor<Scalar, 4>(f, "attention_weights"));
   const sdpa_test::Array& expected = f.real("output", 3);
+
+  if (f.has("causal")) {
+    // An options case: every tensor-free option, the bias, and the probabilities PyTorch computed.
+    sdpa::AttentionOptions<Scalar> o;
+    o.attention_mask = mask.get();
+    o.attention_weights = weights.get();
+    o.causal = f.integer("causal") != 0;
+    o.window_left = f.integer("window_left");
+    o.window_right = f.integer("window_right");
+    if (f.has("key_lengths"))
+      for (std::int64_t l : f.get("key_lengths").i64) o.key_lengths.push_back(static_cast<Eigen::Index>(l));
+    if (f.has("alibi_slopes"))
+      for (double a : f.real("alibi_slopes", 1).f64) o.alibi_slopes.push_back(static_cast<Scalar>(a));
+    Eigen::Tensor<Scalar, 4, Eigen::RowMajor> bias;
+    if (f.has("attention_bias")) {
+      bias = sdpa_test::to_tensor<Scalar, 4>(f, "attention_bias");
+      o.attention_bias = &bias;
+    }
+    const sdpa_test::Array& want_probs = f.real("probabilities", 4);
+    Eigen::ThreadPool pool(2);
+    Eigen::ThreadPoolDevice device(&pool, 2);
+    for (sdpa::Kernel kernel : {sdpa::Kernel::kAuto, sdpa::Kernel::kReference}) {
+      m.set_kernel(kernel);
+      for (const Eigen::ThreadPoolDevice* d : {static_cast<const Eigen::ThreadPoolDevice*>(nullptr),
+                                               static_cast<const Eigen::ThreadPoolDevice*>(&device)}) {
+        SCOPED_TRACE(::testing::Message() << (kernel == sdpa::Kernel::kAuto ? "tiled" : "reference")
+                                          << (d ? ", 2 threads" : ""));
+        Eigen::Tensor<Scalar, 4, Eigen::RowMajor> probs;
+        o.probabilities = &probs;
+        o.device = d;
+        const Tensor3 y = self ? m.forward(q, q, q, o) : m.forward(q, k, v, o);
+        EXPECT_TRUE(matches(y, expected, tolerance)) << "output";
+        ASSERT_EQ(static_cast<std::size_t>(probs.size()), want_probs.f64.size());
+        for (Eigen::Index i = 0; i < probs.size(); ++i) {
+          const double w = want_probs.f64[static_cast<std::size_t>(i)], g = static_cast<double>(probs.data()[i]);
+          if (std::isnan(w)) {
+            ASSERT_TRUE(std::isnan(g)) << "probability " << i;
+          } else if (w == 0.0) {
+            ASSERT_EQ(g, 0.0) << "probability " << i << " of a hidden key";
+          } else {
+            ASSERT_NEAR(g, w, tolerance) << "probability " << i;
+          }
+        }
+      }
+    }
+    return;
+  }
 
   // 1. Eigen::Tensor inputs (self-attention: one object passed three times).
   const Tensor3 y = self ? m.forward(q, q, q, mask.get(), weights.get()) : m.forward(q, k, v, mask.get(), weights.get());
