@@ -171,6 +171,29 @@ TYPED_TEST(OptionsTest, KeyLengthsIncludingZeroAndFull) {
   EXPECT_LT(max_relative_error(by_lengths, sdpa_test::to_array3(by_mask)), TestFixture::kFloat ? 1e-6 : 1e-14);
 }
 
+// Keys past a batch entry's length are neither projected nor read: NaN in their inputs changes nothing (for
+// queries whose own input is finite), in the fused self-attention pass and in the separate key/value ones.
+TYPED_TEST(OptionsTest, KeysPastTheirLengthAreNotRead) {
+  using T = TypeParam;
+  Rng rng(11);
+  auto m = TestFixture::make_module(rng, 16, 4, 3, 2);
+  const Index n = 12;
+  const std::vector<Index> lengths{12, 5, 0};
+  auto x = TestFixture::random3(rng, 3, n, 16);
+  const auto q = TestFixture::random3(rng, 3, 4, 16);
+  typename TestFixture::Options o;
+  o.key_lengths = lengths;
+  const auto clean_self = m.forward(x, x, x, o), clean_cross = m.forward(q, x, x, o);
+  for (Index b = 0; b < 3; ++b)
+    for (Index j = lengths[static_cast<std::size_t>(b)]; j < n; ++j)
+      for (Index d = 0; d < 16; ++d) x(b, j, d) = std::numeric_limits<T>::quiet_NaN();
+  const auto self = m.forward(x, x, x, o), cross = m.forward(q, x, x, o);
+  for (Index i = 0; i < cross.size(); ++i) ASSERT_EQ(cross.data()[i], clean_cross.data()[i]) << i;
+  for (Index b = 0; b < 3; ++b)
+    for (Index i = 0; i < lengths[static_cast<std::size_t>(b)]; ++i)
+      for (Index d = 0; d < 16; ++d) ASSERT_EQ(self(b, i, d), clean_self(b, i, d)) << b << " " << i << " " << d;
+}
+
 TYPED_TEST(OptionsTest, EveryBiasBroadcastForm) {
   Rng rng(4);
   auto m = TestFixture::make_module(rng, 12, 3, 4, 3);

@@ -305,23 +305,49 @@ class ScaledDotProductAttention {
     Index ldq = 0, ldk = 0, ldv = 0;
   };
 
-  Projected project(const View& qv, const View& kv, const View& vv, const Eigen::ThreadPoolDevice* device) const {
+  // Keys a query can see per batch entry (key_lengths, or nullptr for all): keys past a length are hidden
+  // from every query, so they are not projected (their rows of the buffer are zeroed instead).
+  Projected project(const View& qv, const View& kv, const View& vv, const Eigen::ThreadPoolDevice* device,
+                    const Index* key_lengths) const {
     using Target = kernels::ProjectionTarget<Scalar>;
     const Index hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index batch = qv.dims()[0], nk = kv.dims()[1];
     const Index rows_q = qv.dims()[0] * qv.dims()[1], rows_k = kv.dims()[0] * kv.dims()[1];
     const bool kv_same = kv.data() == vv.data() && kv.dims() == vv.dims();
     const bool qk_same = kv_same && qv.data() == kv.data() && qv.dims() == kv.dims();
     auto target = [](const LinearType& layer, Scalar* y, Index ldy) {
       return Target{layer.weight().data(), layer.bias().data(), layer.out_features(), y, ldy};
     };
+    // One pass of `targets` over input rows [r0, r1) (target rows likewise).
+    auto pass = [&](const Scalar* x, Index r0, Index r1, std::vector<Target> targets) {
+      if (r1 <= r0) return;
+      for (Target& t : targets) t.y += r0 * t.ldy;
+      kernels::project_rows<Scalar>(x + r0 * d_model_, r1 - r0, d_model_, targets, device);
+    };
+    // The key rows of each batch entry: [b * nk, b * nk + length) projected, the rest zeroed in columns
+    // [c0, c0 + width) of the buffer (stride ld).
+    auto key_passes = [&](const Scalar* x, std::vector<Target> targets, Scalar* buffer, Index ld, Index c0, Index width) {
+      if (key_lengths == nullptr) return pass(x, 0, rows_k, targets);
+      for (Index b = 0; b < batch; ++b) {
+        pass(x, b * nk, b * nk + key_lengths[b], targets);
+        for (Index r = b * nk + key_lengths[b]; r < (b + 1) * nk; ++r) std::fill_n(buffer + r * ld + c0, width, Scalar(0));
+      }
+    };
     Projected r;
     if (qk_same) {
       const Index ld = 2 * hk + hv;
       r.qkv.reset(static_cast<std::size_t>(rows_q * ld));
       Scalar* base = r.qkv.data();
-      kernels::project_rows<Scalar>(qv.data(), rows_q, d_model_,
-                                    {target(fc_q_, base, ld), target(fc_k_, base + hk, ld), target(fc_v_, base + 2 * hk, ld)},
-                                    device);
+      const Target tq = target(fc_q_, base, ld), tk = target(fc_k_, base + hk, ld), tv = target(fc_v_, base + 2 * hk, ld);
+      if (key_lengths == nullptr) {
+        pass(qv.data(), 0, rows_q, {tq, tk, tv});
+      } else {
+        for (Index b = 0; b < batch; ++b) {
+          pass(qv.data(), b * nk, b * nk + key_lengths[b], {tq, tk, tv});
+          pass(qv.data(), b * nk + key_lengths[b], (b + 1) * nk, {tq});
+          for (Index row = b * nk + key_lengths[b]; row < (b + 1) * nk; ++row) std::fill_n(base + row * ld + hk, hk + hv, Scalar(0));
+        }
+      }
       r.q = base;
       r.k = base + hk;
       r.v = base + 2 * hk;
@@ -329,7 +355,7 @@ class ScaledDotProductAttention {
       return r;
     }
     r.qkv.reset(static_cast<std::size_t>(rows_q * hk));
-    kernels::project_rows<Scalar>(qv.data(), rows_q, d_model_, {target(fc_q_, r.qkv.data(), hk)}, device);
+    pass(qv.data(), 0, rows_q, {target(fc_q_, r.qkv.data(), hk)});
     r.q = r.qkv.data();
     r.ldq = hk;
     if (rows_k == 0) return r;  // no keys: nothing to project, and no pointer into an empty buffer
@@ -337,11 +363,10 @@ class ScaledDotProductAttention {
     Scalar* base = r.kv_only.data();
     const Index ld = hk + hv;
     if (kv_same) {
-      kernels::project_rows<Scalar>(kv.data(), rows_k, d_model_, {target(fc_k_, base, ld), target(fc_v_, base + hk, ld)},
-                                    device);
+      key_passes(kv.data(), {target(fc_k_, base, ld), target(fc_v_, base + hk, ld)}, base, ld, 0, hk + hv);
     } else {
-      kernels::project_rows<Scalar>(kv.data(), rows_k, d_model_, {target(fc_k_, base, ld)}, device);
-      kernels::project_rows<Scalar>(vv.data(), rows_k, d_model_, {target(fc_v_, base + hk, ld)}, device);
+      key_passes(kv.data(), {target(fc_k_, base, ld)}, base, ld, 0, hk);
+      key_passes(vv.data(), {target(fc_v_, base + hk, ld)}, base, ld, hk, hv);
     }
     r.k = base;
     r.v = base + hk;
@@ -395,7 +420,7 @@ class ScaledDotProductAttention {
     if (result.size() == 0) return result;
 
     const Index hv = h_ * d_v_;
-    Projected proj = project(qv, kv, vv, device);
+    Projected proj = project(qv, kv, vv, device, options.key_lengths.empty() ? nullptr : options.key_lengths.data());
 
     p.batch = batch;
     p.heads = h_;

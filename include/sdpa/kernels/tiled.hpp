@@ -202,7 +202,6 @@ class TiledForward {
     Scalar* o = aligned(o_buf_);
     std::fill(o, o + rows * p.d_v, Scalar(0));
     std::fill(rows_.begin(), rows_.begin() + rows, SoftmaxRow<Scalar>{});
-    v_checked_k0_ = -1;
     // With p = 1 nothing reaches the output, and the products are skipped.
     const bool accumulate = !(p.dropout && p.keep_scale == Scalar(0));
     const Index bh = b * p.heads + h;
@@ -283,15 +282,13 @@ class TiledForward {
         /*count=*/false);
   }
 
-  // Whether the v rows of the tile's computed keys are all finite; checked once per key block of a group.
-  bool values_finite(const Tile<Scalar>& t) {
-    if (v_checked_k0_ != t.k0) {
-      v_checked_k0_ = t.k0;
-      v_finite_ = true;
-      for (Index j = 0; j < t.cols && v_finite_; ++j)
-        v_finite_ = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(p_.v.row(t.b, t.h, t.k0 + j), p_.d_v).allFinite();
-    }
-    return v_finite_;
+  // Whether the v rows of the tile's computed keys [j0, j1) are all finite (only asked for tiles with
+  // hidden keys inside their rectangle; keys outside it may not even be projected).
+  bool values_finite(const Tile<Scalar>& t) const {
+    for (Index j = t.j0; j < t.j1; ++j)
+      if (!Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(p_.v.row(t.b, t.h, t.k0 + j), p_.d_v).allFinite())
+        return false;
+    return true;
   }
 
   // Dropout on a row of unnormalised probabilities for keys k0 ...: dropped -> 0, kept -> x * keep_scale.
@@ -311,8 +308,6 @@ class TiledForward {
   std::vector<Scalar> o_buf_;
   std::vector<SoftmaxRow<Scalar>> rows_;
   std::vector<std::uint32_t> bits_;  // one row's dropout words (block_k + 8)
-  Index v_checked_k0_ = -1;
-  bool v_finite_ = true;
 };
 
 // The block sizes a problem runs with: the config's fields, zero ones derived from the caches, each no
