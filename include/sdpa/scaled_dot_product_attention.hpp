@@ -24,24 +24,11 @@
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/options.hpp"
+#include "sdpa/parameter.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"
 
 namespace sdpa {
-
-// A parameter reached by its PyTorch state_dict name; T is Scalar or const Scalar.
-template <typename T>
-struct ParameterRef {
-  std::string name;
-  T* data = nullptr;
-  std::vector<Eigen::Index> shape;
-
-  Eigen::Index size() const noexcept {
-    Eigen::Index n = 1;
-    for (Eigen::Index d : shape) n *= d;
-    return n;
-  }
-};
 
 // Which attention core forward() runs: kAuto is the tiled kernel; kReference is the plain path the tiled
 // kernel is tested against (it holds a whole row of scores per query and is several times slower).

@@ -1,0 +1,42 @@
+// What a backward pass returns: the gradient of the loss with respect to each input of the call and each
+// parameter of the module, in the shapes of the things they are gradients of (PyTorch's .grad), and the
+// parameter gradients by state_dict name, in the module's order, for optimizers (sdpa/optim.hpp).
+#pragma once
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <string>
+#include <vector>
+
+#include "sdpa/parameter.hpp"
+
+namespace sdpa {
+
+template <typename Scalar>
+struct LinearGradients {
+  Eigen::Tensor<Scalar, 2, Eigen::RowMajor> weight;  // (out_features, in_features)
+  Eigen::Tensor<Scalar, 1, Eigen::RowMajor> bias;    // (out_features)
+};
+
+template <typename Scalar>
+struct Gradients {
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> queries, keys, values;  // d loss / d each input, its shape
+  LinearGradients<Scalar> fc_q, fc_k, fc_v, fc_o;
+  // The given tensors' shapes (broadcast dimensions summed); empty when not given.
+  Eigen::Tensor<Scalar, 4, Eigen::RowMajor> attention_weights, attention_bias;
+
+  // The parameter gradients by state_dict name, in the module's order ("fc_q.weight", "fc_q.bias", ...).
+  std::vector<ParameterRef<Scalar>> named_parameters() {
+    std::vector<ParameterRef<Scalar>> out;
+    const char* names[4] = {"fc_q", "fc_k", "fc_v", "fc_o"};
+    LinearGradients<Scalar>* layers[4] = {&fc_q, &fc_k, &fc_v, &fc_o};
+    for (std::size_t i = 0; i < 4; ++i) {
+      LinearGradients<Scalar>& g = *layers[i];
+      out.push_back({std::string(names[i]) + ".weight", g.weight.data(), {g.weight.dimension(0), g.weight.dimension(1)}});
+      out.push_back({std::string(names[i]) + ".bias", g.bias.data(), {g.bias.dimension(0)}});
+    }
+    return out;
+  }
+};
+
+}  // namespace sdpa
