@@ -148,7 +148,7 @@ struct Avx512Kernel {
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       V::prefetch(c + r * ldc);
-      V::prefetch(c + r * ldc + nr - 1);
+      V::prefetch(c + r * ldc + cols - 1);
     }
     for (Index p = 0; p < kc; ++p) {
       Reg bv[static_cast<std::size_t>(vectors)];

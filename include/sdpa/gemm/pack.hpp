@@ -70,15 +70,16 @@ void pack_rows_simd(Eigen::Index count, Eigen::Index depth, const Scalar* src, E
       const Index group_lines = std::clamp<Index>(lines - g, 0, width);
       const Index lanes = std::min(width, W - g);
       const auto lane_mask = V::mask(lanes);
-      const Scalar* group = src + (s + g) * ld;
       for (Index p0 = 0; p0 < depth; p0 += width) {
         const Index steps = std::min(width, depth - p0);
         const auto step_mask = V::mask(steps);
         Reg r[static_cast<std::size_t>(width)];
+        // Lines past count are zeros, and no pointer to them is formed.
+        const Scalar* first = src + p0;
         if (steps == width) {
-          for (Index i = 0; i < group_lines; ++i) r[i] = V::loadu(group + i * ld + p0);
+          for (Index i = 0; i < group_lines; ++i) r[i] = V::loadu(first + (s + g + i) * ld);
         } else {
-          for (Index i = 0; i < group_lines; ++i) r[i] = V::loadu(group + i * ld + p0, step_mask);
+          for (Index i = 0; i < group_lines; ++i) r[i] = V::loadu(first + (s + g + i) * ld, step_mask);
         }
         for (Index i = group_lines; i < width; ++i) r[i] = V::zero();
         V::transpose(r);
@@ -110,8 +111,8 @@ void pack_cols_simd(Eigen::Index count, Eigen::Index depth, const Scalar* src, E
     } else {
       for (Index p = 0; p < depth; ++p) {
         for (Index v = 0; v < W; v += width) {
-          const auto m = V::mask(std::clamp<Index>(lines - v, 0, width));
-          V::storeu(dst + p * W + v, V::loadu(src + p * ld + s + v, m));
+          const Index lanes = std::clamp<Index>(lines - v, 0, width);
+          V::storeu(dst + p * W + v, lanes == 0 ? V::zero() : V::loadu(src + p * ld + s + v, V::mask(lanes)));
         }
       }
     }
