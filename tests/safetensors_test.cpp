@@ -760,3 +760,51 @@ TEST(SafetensorsMalformed, LongNamesAreCutInMessages) {
 }
 
 }  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Key/value caches: a parked conversation resumes exactly; a file for another module's shape is refused
+// with the cache unchanged.
+namespace {
+TEST(SafetensorsKVCache, RoundTripResumesExactly) {
+  ScaledDotProductAttention<float> m(16, 4, 6, 2);
+  m.eval();
+  Eigen::Tensor<float, 3, Eigen::RowMajor> x(3, 9, 16), next(3, 1, 16);
+  x.setRandom();
+  next.setRandom();
+  sdpa::KVCache<float> cache(m, 3);
+  (void)m.step(x, cache);
+  const std::string path = temp_path();
+  sdpa::save_kv_cache(cache, path);
+  sdpa::KVCache<float> parked(m, 1);  // another batch: the file's wins
+  sdpa::load_kv_cache(parked, path);
+  EXPECT_EQ(parked.batch(), 3);
+  EXPECT_EQ(parked.size(), 9);
+  EXPECT_EQ(parked.position(), 9);
+  const auto a = m.step(next, cache), b = m.step(next, parked);
+  for (Eigen::Index i = 0; i < a.size(); ++i) ASSERT_EQ(a.data()[i], b.data()[i]) << i;
+  const SafetensorsFile file = sdpa::read_safetensors(path);
+  EXPECT_EQ(file.metadata.at("sdpa.kv_cache.position"), "9");
+  EXPECT_EQ(file.metadata.at("sdpa.h"), "2");
+  ASSERT_NE(file.find("kv_cache.keys"), nullptr);
+  EXPECT_EQ(file.find("kv_cache.keys")->shape, (std::vector<Eigen::Index>{3, 9, 8}));
+  EXPECT_EQ(file.find("kv_cache.values")->shape, (std::vector<Eigen::Index>{3, 9, 12}));
+  std::filesystem::remove(path);
+
+  // A cache of another shape (h 4, d_k 2: the same h * d_k) refuses the file and stays as it was.
+  ScaledDotProductAttention<float> other(16, 2, 3, 4);
+  sdpa::KVCache<float> wrong(other, 2);
+  (void)other.step(x.slice(Eigen::array<Eigen::Index, 3>{0, 0, 0}, Eigen::array<Eigen::Index, 3>{2, 4, 16}).eval(), wrong);
+  const auto bytes = sdpa::save_kv_cache_to_memory(cache);
+  try {
+    sdpa::load_kv_cache_from_memory(wrong, bytes.data(), bytes.size(), "parked");
+    ADD_FAILURE() << "not refused";
+  } catch (const SafetensorsError& e) {
+    EXPECT_NE(std::string(e.what()).find("saved for a module with d_k = 4"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(wrong.size(), 4);
+  EXPECT_EQ(wrong.batch(), 2);
+  // A module's weight file is not a cache.
+  const auto weights = sdpa::save_safetensors_to_memory(m);
+  EXPECT_THROW(sdpa::load_kv_cache_from_memory(parked, weights.data(), weights.size(), "weights"), SafetensorsError);
+}
+}  // namespace

@@ -35,6 +35,9 @@ namespace sdpa {
 enum class Kernel { kAuto, kTiled, kReference };
 
 template <typename Scalar>
+class KVCache;  // sdpa/kv_cache.hpp
+
+template <typename Scalar>
 class ScaledDotProductAttention {
   static_assert(std::is_floating_point<Scalar>::value,
                 "sdpa::ScaledDotProductAttention needs a floating-point Scalar");
@@ -148,6 +151,77 @@ class ScaledDotProductAttention {
                      const Weights* attention_weights = nullptr,
                      const Eigen::ThreadPoolDevice* device = nullptr) const {
     return forward(queries, keys, values, attention_mask, attention_weights, device);
+  }
+
+  // ---- Decoding with a key/value cache (include sdpa/kv_cache.hpp) ----
+
+  // Projects keys with fc_k and values with fc_v ((cache.batch(), n, d_model) each) and appends them to the
+  // cache, which grows as needed.
+  template <typename K, typename V>
+  void append(const K& keys, const V& values, KVCache<Scalar>& cache, const Eigen::ThreadPoolDevice* device = nullptr) const {
+    SDPA_DETAIL_CHECK_INPUT(K, Scalar);
+    SDPA_DETAIL_CHECK_INPUT(V, Scalar);
+    if constexpr (detail::is_valid_input<K, Scalar>() && detail::is_valid_input<V, Scalar>()) {
+      const detail::Inputs<Scalar> in(keys, keys, values);
+      const char* where = "ScaledDotProductAttention::append";
+      check_cache(cache, where);
+      check_decoding_input(in.k(), "keys", cache.batch(), where);
+      check_decoding_input(in.v(), "values", cache.batch(), where);
+      if (in.v().dims()[1] != in.k().dims()[1])
+        detail::throw_invalid(where, "values dimension 1 (sequence length)", detail::concat(in.k().dims()[1], ", the length of keys"),
+                              detail::concat(in.v().dims()[1], " (values shape ", detail::shape_string(in.v().dims()), ")"));
+      cache.make_room(in.k().dims()[1]);
+      project_into_cache(in.k(), in.v(), cache, device, nullptr);
+    }
+  }
+
+  // Projects the queries ((cache.batch(), nq, d_model)) with fc_q, attends them to the cache's entries with
+  // every option of AttentionOptions (nk = cache.size(); the queries are the last nq positions, so `causal`
+  // lets the last query see every key), applies fc_o. Returns (batch, nq, d_model), or writes it to `out`.
+  template <typename Q>
+  Tensor3 attend(const Q& queries, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options = {}) const {
+    SDPA_DETAIL_CHECK_INPUT(Q, Scalar);
+    Tensor3 out;
+    if constexpr (detail::is_valid_input<Q, Scalar>()) {
+      const detail::InputView<Scalar> q(queries);
+      out = Tensor3(q.dims()[0], q.dims()[1], d_model_);
+      attend_impl(q, cache, options, out.data(), out.dimensions(), "ScaledDotProductAttention::attend");
+    }
+    return out;
+  }
+  template <typename Q>
+  void attend(const Q& queries, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options,
+              Eigen::TensorMap<Tensor3> out) const {
+    SDPA_DETAIL_CHECK_INPUT(Q, Scalar);
+    if constexpr (detail::is_valid_input<Q, Scalar>()) {
+      const detail::InputView<Scalar> q(queries);
+      attend_impl(q, cache, options, out.data(), out.dimensions(), "ScaledDotProductAttention::attend");
+    }
+  }
+
+  // append(x, x, cache) then attend(x, cache, options) with `causal` on (whatever options.causal says): feeding a sequence through
+  // step in chunks of any sizes gives the rows of forward(x, x, x, {causal = true}). Every option is checked
+  // before anything is appended (a refused step leaves the cache as it was). With window_left = w the cache
+  // may drop the entries no later query can see. Once the cache has the capacity (and for chunks of up to
+  // 16 tokens, without a mask tensor), a step allocates nothing; the second form writes into `out`.
+  template <typename X>
+  Tensor3 step(const X& x, KVCache<Scalar>& cache, AttentionOptions<Scalar> options = {}) const {
+    SDPA_DETAIL_CHECK_INPUT(X, Scalar);
+    Tensor3 out;
+    if constexpr (detail::is_valid_input<X, Scalar>()) {
+      const detail::InputView<Scalar> in(x);
+      out = Tensor3(in.dims()[0], in.dims()[1], d_model_);
+      step_impl(in, cache, options, out.data(), out.dimensions());
+    }
+    return out;
+  }
+  template <typename X>
+  void step(const X& x, KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Eigen::TensorMap<Tensor3> out) const {
+    SDPA_DETAIL_CHECK_INPUT(X, Scalar);
+    if constexpr (detail::is_valid_input<X, Scalar>()) {
+      const detail::InputView<Scalar> in(x);
+      step_impl(in, cache, options, out.data(), out.dimensions());
+    }
   }
 
   void train(bool on = true) noexcept { training_ = on; }
@@ -441,6 +515,196 @@ class ScaledDotProductAttention {
 
     fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
     return result;
+  }
+
+  // ---- decoding internals ----
+
+  void check_cache(const KVCache<Scalar>& cache, const char* where) const {
+    if (cache.d_model() != d_model_ || cache.h() != h_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
+      detail::throw_invalid(where, "cache", detail::concat("a cache for d_model ", d_model_, ", h ", h_, ", d_k ", d_k_, ", d_v ", d_v_),
+                            detail::concat("one for d_model ", cache.d_model(), ", h ", cache.h(), ", d_k ", cache.d_k(),
+                                           ", d_v ", cache.d_v()));
+  }
+
+  void check_decoding_input(const View& in, const char* name, Index batch, const char* where) const {
+    if (in.dims()[2] != d_model_)
+      detail::throw_invalid(where, detail::concat(name, " dimension 2 (d_model)"), d_model_,
+                            detail::concat(in.dims()[2], " (", name, " shape ", detail::shape_string(in.dims()), ")"));
+    if (in.dims()[0] != batch)
+      detail::throw_invalid(where, detail::concat(name, " dimension 0 (batch)"), detail::concat(batch, ", the cache's batch"),
+                            detail::concat(in.dims()[0], " (", name, " shape ", detail::shape_string(in.dims()), ")"));
+    if (in.data() == nullptr && in.dims()[0] * in.dims()[1] * in.dims()[2] != 0)
+      detail::throw_invalid(where, name, "a tensor with data", "a null pointer");
+  }
+
+  static void check_output(const std::array<Index, 3>& want, const typename Tensor3::Dimensions& got, const char* where) {
+    if (got[0] != want[0] || got[1] != want[1] || got[2] != want[2])
+      detail::throw_invalid(where, "out", detail::concat("of shape ", detail::shape_string(want)),
+                            detail::concat("of shape ", detail::shape_string(got)));
+  }
+
+  // Entries before the cache's first held position were dropped: the options must not need them. The first
+  // of nq queries (the last nq of `position` positions) sees keys from position - nq - window_left on.
+  static void check_dropped(Index first, Index position, const AttentionOptions<Scalar>& o, Index nq, const char* where) {
+    if (first == 0) return;
+    const bool windowed = o.window_left >= 0;
+    if (!windowed || position - nq - o.window_left < first)
+      detail::throw_invalid(where, "window_left",
+                            detail::concat("at most ", std::max<Index>(0, position - nq - first), ": the cache holds positions ",
+                                           first, " .. ", position - 1,
+                                           " only (a sliding-window step dropped the older ones)"),
+                            o.window_left);
+  }
+
+  // Projects keys (and values) into the cache after its held entries, and queries into q_out (batch, n,
+  // h * d_k) when given (then kv is the step's input x, whose keys and values are itself).
+  void project_into_cache(const View& kv, const View& vv, KVCache<Scalar>& cache, const Eigen::ThreadPoolDevice* device,
+                          Scalar* q_out) const {
+    using Target = kernels::ProjectionTarget<Scalar>;
+    const Index batch = cache.batch(), n = kv.dims()[1], hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index at = cache.size_;
+    const bool kv_same = kv.data() == vv.data() && kv.dims() == vv.dims();
+    auto target = [](const LinearType& layer, Scalar* y, Index ldy, Index group_rows, Index group_stride) {
+      Target t{layer.weight().data(), layer.bias().data(), layer.out_features(), y, ldy};
+      t.group_rows = group_rows;
+      t.group_stride = group_stride;
+      return t;
+    };
+    if (batch * n == 0) {
+      cache.size_ += n;
+      cache.position_ += n;
+      return;
+    }
+    if (batch * n <= 16) {
+      // A decoding step: every weight row read once for all rows; the rows of batch entry b go to the
+      // cache's entries of b (group stride: one sequence's capacity).
+      Target targets[3];
+      std::size_t count = 0;
+      if (q_out != nullptr) targets[count++] = target(fc_q_, q_out, hk, 0, 0);
+      targets[count++] = target(fc_k_, cache.key_rows(0) + at * hk, hk, n, cache.capacity_ * hk);
+      if (kv_same) targets[count++] = target(fc_v_, cache.value_rows(0) + at * hv, hv, n, cache.capacity_ * hv);
+      kernels::project_few_rows<Scalar>(kv.data(), batch * n, d_model_, d_model_, targets, count, device);
+      if (!kv_same) {
+        const Target tv = target(fc_v_, cache.value_rows(0) + at * hv, hv, n, cache.capacity_ * hv);
+        kernels::project_few_rows<Scalar>(vv.data(), batch * n, d_model_, d_model_, &tv, 1, device);
+      }
+    } else {
+      for (Index b = 0; b < batch; ++b) {
+        std::vector<Target> targets;
+        if (q_out != nullptr) targets.push_back(target(fc_q_, q_out + b * n * hk, hk, 0, 0));
+        targets.push_back(target(fc_k_, cache.key_rows(b) + at * hk, hk, 0, 0));
+        if (kv_same) targets.push_back(target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0));
+        kernels::project_rows<Scalar>(kv.data() + b * n * d_model_, n, d_model_, targets, device);
+        if (!kv_same)
+          kernels::project_rows<Scalar>(vv.data() + b * n * d_model_, n, d_model_,
+                                        {target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0)}, device);
+      }
+    }
+    cache.size_ += n;
+    cache.position_ += n;
+  }
+
+  // The attention of projected queries q (batch, nq, h * d_k) to the cache's entries, then fc_o into out.
+  void attend_projected(const Scalar* q, Index nq, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options,
+                        bool causal, Scalar* att, kernels::DecodeWorkspace<Scalar>& workspace, Scalar* out,
+                        const char* where) const {
+    const Index batch = cache.batch(), nk = cache.size(), hk = h_ * d_k_, hv = h_ * d_v_;
+    const std::array<Index, 4> full{batch, h_, nq, nk};
+    kernels::AttentionProblem<Scalar> p;
+    p.mask = make_broadcast_view(options.attention_mask, full, where, "attention_mask");
+    p.weights = make_broadcast_view(options.attention_weights, full, where, "attention_weights");
+    p.bias = make_broadcast_view(options.attention_bias, full, where, "attention_bias");
+    p.batch = batch;
+    p.heads = h_;
+    p.nq = nq;
+    p.nk = nk;
+    p.d_k = d_k_;
+    p.d_v = d_v_;
+    p.q = {q, nq * hk, hk, d_k_};
+    p.k = {cache.key_rows(0), cache.capacity() * hk, hk, d_k_};
+    p.v = {cache.value_rows(0), cache.capacity() * hv, hv, d_v_};
+    p.out = {att, nq * hv, hv, d_v_};
+    p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
+    p.causal = causal;
+    p.window_left = options.window_left;
+    p.window_right = options.window_right;
+    p.key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
+    p.alibi = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
+    p.query_offset = nk - nq;
+    p.masked_rows = masked_rows_;
+    p.probabilities = options.probabilities != nullptr ? options.probabilities->data() : nullptr;
+    if (training_ && dropout_ > Scalar(0)) {
+      p.dropout = true;
+      p.sampler = DropoutSampler(seed_, calls_.fetch_add(1), static_cast<double>(dropout_));
+      p.keep_scale = dropout_ >= Scalar(1) ? Scalar(0) : Scalar(1) / (Scalar(1) - dropout_);
+    }
+    if (kernel_ == Kernel::kReference)
+      kernels::reference_attention(p, options.device);
+    else if (kernels::decode_suits(p))
+      kernels::decode_attention(p, workspace, options.device);
+    else
+      kernels::tiled_attention(p, options.device);
+    if (batch * nq <= 16) {
+      const kernels::ProjectionTarget<Scalar> to{fc_o_.weight().data(), fc_o_.bias().data(), d_model_, out, d_model_};
+      kernels::project_few_rows<Scalar>(att, batch * nq, hv, hv, &to, 1, options.device);
+    } else {
+      fc_o_.forward_rows(att, batch * nq, hv, out, d_model_, options.device);
+    }
+  }
+
+  // Everything a call with nq queries against the nk entries of positions first .. position - 1 checks:
+  // options, tensors' shapes, dropped entries.
+  void check_decoding_options(const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Index nq, Index nk,
+                              Index position, const char* where) const {
+    const std::array<Index, 4> full{cache.batch(), h_, nq, nk};
+    make_broadcast_view(options.attention_mask, full, where, "attention_mask");
+    make_broadcast_view(options.attention_weights, full, where, "attention_weights");
+    make_broadcast_view(options.attention_bias, full, where, "attention_bias");
+    check_options(options, cache.batch(), nk);
+    check_dropped(position - nk, position, options, nq, where);
+  }
+
+  void attend_impl(const View& q, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Scalar* out,
+                   const typename Tensor3::Dimensions& out_dims, const char* where) const {
+    check_cache(cache, where);
+    check_decoding_input(q, "queries", cache.batch(), where);
+    const Index batch = cache.batch(), nq = q.dims()[1];
+    check_output({batch, nq, d_model_}, out_dims, where);
+    check_decoding_options(cache, options, nq, cache.size(), cache.position(), where);
+    if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, cache.size());
+    if (batch * nq == 0) return;
+    detail::Buffer<Scalar> qbuf(static_cast<std::size_t>(batch * nq * h_ * d_k_));
+    kernels::project_rows<Scalar>(q.data(), batch * nq, d_model_,
+                                  {{fc_q_.weight().data(), fc_q_.bias().data(), h_ * d_k_, qbuf.data(), h_ * d_k_}},
+                                  options.device);
+    detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * h_ * d_v_));
+    kernels::DecodeWorkspace<Scalar> workspace;
+    attend_projected(qbuf.data(), nq, cache, options, options.causal, att.data(), workspace, out, where);
+  }
+
+  void step_impl(const View& x, KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Scalar* out,
+                 const typename Tensor3::Dimensions& out_dims) const {
+    const char* where = "ScaledDotProductAttention::step";
+    check_cache(cache, where);
+    check_decoding_input(x, "x", cache.batch(), where);
+    const Index batch = cache.batch(), n = x.dims()[1];
+    check_output({batch, n, d_model_}, out_dims, where);
+    // Checked against the cache as it will be after the append, before anything is appended.
+    check_decoding_options(cache, options, n, cache.size() + n, cache.position() + n, where);
+    if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, n, cache.size() + n);
+    if (n == 0 || batch == 0) return;
+    cache.make_room(n);
+    Scalar* q = cache.scratch(cache.q_scratch_, batch * n * h_ * d_k_);
+    Scalar* att = cache.scratch(cache.att_scratch_, batch * n * h_ * d_v_);
+    project_into_cache(x, x, cache, options.device, q);
+    attend_projected(q, n, cache, options, /*causal=*/true, att, cache.decode_, out, where);
+    // A sliding window: no later query sees the entries before position() - window_left. Once they are
+    // half of what is held they are dropped (a rolling buffer: memory stays O(window + chunk), and each
+    // entry is moved O(1) times on average).
+    if (options.window_left >= 0) {
+      const Index droppable = cache.position() - options.window_left - cache.first_position();
+      if (droppable > 0 && 2 * droppable >= cache.size()) cache.drop_front(droppable);
+    }
   }
 
   Index d_model_, d_k_, d_v_, h_;

@@ -7,6 +7,7 @@
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/reference.hpp"
 #include "sdpa/kernels/tiled.hpp"
+#include "sdpa/kv_cache.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/options.hpp"

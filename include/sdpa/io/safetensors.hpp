@@ -31,6 +31,8 @@
 #include <vector>
 
 #include "sdpa/error.hpp"
+#include "sdpa/kv_cache.hpp"
+#include "sdpa/parameter.hpp"
 
 namespace sdpa {
 
@@ -784,6 +786,109 @@ void save_safetensors(const Module& module, const std::string& path, const std::
   out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
   out.close();
   if (!out) st::fail(path, "writing failed (disk full or I/O error)");
+}
+
+// ---- Key/value caches (sdpa/kv_cache.hpp) ----
+// A cache is one file: tensors "kv_cache.keys" (batch, size, h * d_k) and "kv_cache.values" (batch, size,
+// h * d_v) in the cache's dtype, and metadata "sdpa.d_model", "sdpa.d_k", "sdpa.d_v", "sdpa.h" (the module
+// shape it belongs to) and "sdpa.kv_cache.position" (the position after its last entry), so a server can
+// park a conversation and resume it, on another module of the same shape.
+
+namespace detail {
+namespace safetensors {
+// What save_safetensors_to_memory writes for a cache: its two tensors under their names, its shape.
+template <typename Scalar>
+struct CacheTensors {
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> keys, values;
+  Eigen::Index d_model_, d_k_, d_v_, h_;
+  Eigen::Index d_model() const { return d_model_; }
+  Eigen::Index d_k() const { return d_k_; }
+  Eigen::Index d_v() const { return d_v_; }
+  Eigen::Index h() const { return h_; }
+  std::vector<ParameterRef<const Scalar>> named_parameters() const {
+    return {{"kv_cache.keys", keys.data(), {keys.dimension(0), keys.dimension(1), keys.dimension(2)}},
+            {"kv_cache.values", values.data(), {values.dimension(0), values.dimension(1), values.dimension(2)}}};
+  }
+};
+}  // namespace safetensors
+}  // namespace detail
+
+template <typename Scalar>
+std::vector<std::uint8_t> save_kv_cache_to_memory(const KVCache<Scalar>& cache, const std::string& name_for_errors = "<memory>") {
+  const detail::safetensors::CacheTensors<Scalar> t{cache.keys(), cache.values(), cache.d_model(), cache.d_k(), cache.d_v(),
+                                                    cache.h()};
+  return save_safetensors_to_memory(t, "", {{"sdpa.kv_cache.position", std::to_string(cache.position())}}, name_for_errors);
+}
+
+template <typename Scalar>
+void save_kv_cache(const KVCache<Scalar>& cache, const std::string& path) {
+  namespace st = detail::safetensors;
+  const std::vector<std::uint8_t> bytes = save_kv_cache_to_memory(cache, path);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) st::fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.close();
+  if (!out) st::fail(path, "writing failed (disk full or I/O error)");
+}
+
+// Replaces the cache's content with the file's. The file must be a cache of a module of the cache's shape
+// (d_model, h, d_k, d_v); its batch becomes the cache's. Everything is checked before the cache changes.
+template <typename Scalar>
+void load_kv_cache(KVCache<Scalar>& cache, const SafetensorsFile& file) {
+  namespace st = detail::safetensors;
+  using Index = Eigen::Index;
+  auto integer = [&](const std::string& key) {
+    const auto it = file.metadata.find(key);
+    if (it == file.metadata.end()) st::fail(file.name, "__metadata__ has no " + st::quote(key) + ": not a saved KVCache");
+    long long value = -1;
+    std::size_t used = 0;
+    try {
+      value = std::stoll(it->second, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != it->second.size() || value < 0)
+      st::fail(file.name, "__metadata__ " + st::quote(key) + " must be a non-negative integer, but is " + st::quote(it->second));
+    return static_cast<Index>(value);
+  };
+  const std::pair<const char*, Index> shape[4] = {
+      {"sdpa.d_model", cache.d_model()}, {"sdpa.d_k", cache.d_k()}, {"sdpa.d_v", cache.d_v()}, {"sdpa.h", cache.h()}};
+  for (const auto& s : shape) {
+    const Index saved = integer(s.first);
+    if (saved != s.second)
+      st::fail(file.name, std::string("the cache was saved for a module with ") + (s.first + 5) + " = " + std::to_string(saved) +
+                              ", but this cache's module has " + (s.first + 5) + " = " + std::to_string(s.second));
+  }
+  const Index position = integer("sdpa.kv_cache.position");
+  const SafetensorsTensor* k = file.find("kv_cache.keys");
+  const SafetensorsTensor* v = file.find("kv_cache.values");
+  if (k == nullptr || v == nullptr) st::fail(file.name, "missing tensors: \"kv_cache.keys\" and \"kv_cache.values\" are needed");
+  const Index hk = cache.h() * cache.d_k(), hv = cache.h() * cache.d_v();
+  if (k->shape.size() != 3 || k->shape[2] != hk)
+    st::fail(file.name, "tensor \"kv_cache.keys\" has shape " + st::shape_text(k->shape) + ", but must be (batch, size, " +
+                            std::to_string(hk) + ")");
+  if (v->shape.size() != 3 || v->shape[0] != k->shape[0] || v->shape[1] != k->shape[1] || v->shape[2] != hv)
+    st::fail(file.name, "tensor \"kv_cache.values\" has shape " + st::shape_text(v->shape) + ", but must be (" +
+                            std::to_string(k->shape[0]) + ", " + std::to_string(k->shape[1]) + ", " + std::to_string(hv) + ")");
+  if (position < k->shape[1])
+    st::fail(file.name, "__metadata__ \"sdpa.kv_cache.position\" is " + std::to_string(position) +
+                            ", fewer than the entries held, " + std::to_string(k->shape[1]));
+  const std::vector<Scalar> kd = tensor_values<Scalar>(file, *k), vd = tensor_values<Scalar>(file, *v);
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> keys(k->shape[0], k->shape[1], hk), values(v->shape[0], v->shape[1], hv);
+  std::copy(kd.begin(), kd.end(), keys.data());
+  std::copy(vd.begin(), vd.end(), values.data());
+  cache.assign(keys, values, position);
+}
+
+template <typename Scalar>
+void load_kv_cache(KVCache<Scalar>& cache, const std::string& path) {
+  load_kv_cache(cache, read_safetensors(path));
+}
+
+template <typename Scalar>
+void load_kv_cache_from_memory(KVCache<Scalar>& cache, const std::uint8_t* bytes, std::size_t size,
+                               const std::string& name_for_errors = "<memory>") {
+  load_kv_cache(cache, parse_safetensors(bytes, size, name_for_errors));
 }
 
 }  // namespace sdpa

@@ -80,6 +80,14 @@ struct ProjectionTarget {
   Eigen::Index out;
   Scalar* y;
   Eigen::Index ldy;
+  // project_few_rows only: output rows in groups of group_rows, group g starting at y + g * group_stride
+  // (a cache's batch entries); 0 means one group.
+  Eigen::Index group_rows = 0;
+  Eigen::Index group_stride = 0;
+
+  Scalar* row(Eigen::Index r) const noexcept {
+    return group_rows > 0 ? y + (r / group_rows) * group_stride + (r % group_rows) * ldy : y + r * ldy;
+  }
 };
 
 // Applies every target to the same input rows in one pass over row blocks, so each block of x is read
@@ -93,6 +101,30 @@ void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std
   parallel_for(device, rows, grain, [&](Eigen::Index r0, Eigen::Index r1) {
     for (const auto& t : targets)
       gemm_bias_rows(x + r0 * in, r1 - r0, in, in, t.weight, t.out, t.bias, t.y + r0 * t.ldy, t.ldy);
+  });
+}
+
+// The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
+// matrix product's packing or a matrix-vector product per row would read the weights again; threads split
+// the output features. Allocates nothing.
+template <typename Scalar>
+void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx,
+                      const ProjectionTarget<Scalar>* targets, std::size_t count, const Eigen::ThreadPoolDevice* device) {
+  using Index = Eigen::Index;
+  using Row = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
+  Index total = 0;
+  for (std::size_t t = 0; t < count; ++t) total += targets[t].out;
+  parallel_for(device, total, std::max<Index>(64, balanced_grain(device, total, 2)), [&](Index o0, Index o1) {
+    Index base = 0;
+    for (std::size_t t = 0; t < count; ++t) {
+      const ProjectionTarget<Scalar>& tg = targets[t];
+      const Index lo = std::max(o0, base), hi = std::min(o1, base + tg.out);
+      for (Index o = lo; o < hi; ++o) {
+        const Row w(tg.weight + (o - base) * in, in);
+        for (Index r = 0; r < rows; ++r) tg.row(r)[o - base] = w.dot(Row(x + r * ldx, in)) + tg.bias[o - base];
+      }
+      base += tg.out;
+    }
   });
 }
 

@@ -1,0 +1,178 @@
+// The attention core for a few queries against many keys (decoding with a key/value cache: one token, or
+// a short chunk, per step). A tile kernel would leave most threads idle (one query has only batch x heads
+// rows of work) and its products would be matrix-vector products anyway, so this kernel splits the keys
+// into fixed chunks (flash-decoding): a work item is (batch entry, chunk of keys) and covers every head and
+// query, so each key and value row is streamed from memory once, in order; each item folds its scores into
+// partial softmax states (softmax.hpp) with the same score pipeline as the tiled kernel (scores.hpp), and the
+// partial states of a row are merged in chunk order. The chunks do not depend on the number of threads, so
+// the result does not either. All scratch comes from a DecodeWorkspace the caller keeps (a KVCache does), so
+// a step allocates nothing once the workspace has grown to the cache's capacity.
+#pragma once
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "sdpa/detail/buffer.hpp"
+#include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/scores.hpp"
+#include "sdpa/kernels/softmax.hpp"
+#include "sdpa/kernels/visibility.hpp"
+#include "sdpa/parallel.hpp"
+
+namespace sdpa {
+namespace kernels {
+
+// Keys per work item: long enough that an item's per-row overhead is small against streaming its keys,
+// short enough that a cache of a few thousand keys gives every thread several items.
+constexpr Eigen::Index kDecodeChunk = 256;
+
+// The decoding kernel's scratch, grown on demand and kept between calls. Cache-line aligned, so that how
+// Eigen splits a segment into packets (hence the rounding of exp and sums) depends on offsets only, never on
+// where an allocation landed: two workspaces give the same bits.
+template <typename Scalar>
+struct DecodeWorkspace {
+  std::vector<SoftmaxRow<Scalar>> states;  // per (item, head, query)
+  sdpa::detail::Buffer<Scalar> acc;              // per (item, head, query): d_v accumulators
+  sdpa::detail::Buffer<Scalar> scores;           // per thread slot: one chunk of scores
+  std::vector<std::uint32_t> bits;         // per thread slot: one chunk of dropout words
+
+  void reserve(Eigen::Index items, Eigen::Index rows_per_item, Eigen::Index d_v, Eigen::Index slots) {
+    if (static_cast<Eigen::Index>(states.size()) < items * rows_per_item)
+      states.resize(static_cast<std::size_t>(items * rows_per_item));
+    grow(acc, items * rows_per_item * d_v);
+    grow(scores, slots * kDecodeChunk);
+    if (static_cast<Eigen::Index>(bits.size()) < slots * (kDecodeChunk + 8))
+      bits.resize(static_cast<std::size_t>(slots * (kDecodeChunk + 8)));
+  }
+
+ private:
+  static void grow(sdpa::detail::Buffer<Scalar>& b, Eigen::Index n) {
+    if (static_cast<Eigen::Index>(b.size()) < n) b.reset(static_cast<std::size_t>(n));  // scratch: no content kept
+  }
+};
+
+// Whether decode_attention suits p: few queries (each item recomputes nothing, but covers all of them).
+template <typename Scalar>
+bool decode_suits(const AttentionProblem<Scalar>& p) noexcept {
+  return p.nq <= 16;
+}
+
+template <typename Scalar>
+void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>& ws,
+                      const Eigen::ThreadPoolDevice* device = nullptr) {
+  using Index = Eigen::Index;
+  if (p.batch <= 0 || p.heads <= 0 || p.nq <= 0) return;
+  if (p.nk == 0) {
+    // An empty softmax: the product with an empty v is zero, under either masked-row policy.
+    for (Index b = 0; b < p.batch; ++b)
+      for (Index h = 0; h < p.heads; ++h)
+        for (Index q = 0; q < p.nq; ++q) std::fill_n(p.out.row(b, h, q), p.d_v, Scalar(0));
+    return;
+  }
+  const Index chunks = std::max<Index>(1, (p.nk + kDecodeChunk - 1) / kDecodeChunk);
+  const Index items = p.batch * chunks, rows = p.heads * p.nq;  // rows per item: every (head, query)
+  const Index workers = static_cast<Index>(worker_count(device));
+  // Scratch slots: one per thread that can run an item (the caller, and any thread of the device's pool).
+  const Index slots = device == nullptr ? 1 : 1 + std::max<Index>(workers, device->numThreadsInPool());
+  ws.reserve(items, rows, p.d_v, slots);
+  const Visibility<Scalar> visibility(p, device);
+  const ScorePipeline<Scalar> pipeline(visibility);
+  parallel_for(device, items, 1, [&](Index i0, Index i1) {
+    // The running thread's scratch slot: 0 for a thread outside the pool (the caller), 1 + its index for a
+    // pool thread; two threads never share one.
+    const Index slot = device == nullptr ? 0 : std::clamp<Index>(device->currentThreadId() + 1, 0, slots - 1);
+    Scalar* s = ws.scores.data() + slot * kDecodeChunk;
+    std::uint32_t* bits = ws.bits.data() + slot * (kDecodeChunk + 8);
+    for (Index item = i0; item < i1; ++item) {
+      const Index b = item / chunks, c = item % chunks;
+      const Index k0 = c * kDecodeChunk, n = std::min(kDecodeChunk, p.nk - k0);
+      for (Index h = 0; h < p.heads; ++h) {
+        const Scalar* kb = p.k.row(b, h, k0);
+        const Scalar* vb = p.v.row(b, h, k0);
+        using Rows = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, 0,
+                                Eigen::OuterStride<>>;
+        const Rows kmat(kb, n, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
+        const Rows vmat(vb, n, p.d_v, Eigen::OuterStride<>(p.v.row_stride));
+        for (Index q = 0; q < p.nq; ++q) {
+          const Index r = (item * p.heads + h) * p.nq + q;
+          SoftmaxRow<Scalar>& st = ws.states[static_cast<std::size_t>(r)];
+          Scalar* acc = ws.acc.data() + r * p.d_v;
+          st = SoftmaxRow<Scalar>{};
+          std::fill_n(acc, p.d_v, Scalar(0));
+          const KeyRange range = visibility.row(b, h, q);
+          if (n <= 0 || range.hi <= k0 || range.lo >= k0 + n) continue;
+          // s = scale * K q over the chunk, then the pipeline (hidden keys -inf).
+          Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> sv(s, n);
+          sv.noalias() = kmat * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(p.q.row(b, h, q), p.d_k);
+          sv *= p.scale;
+          if (!pipeline.apply(s, n, b, h, q, k0, range)) continue;
+          st.seen = true;
+          st.fold(s, n);  // a fresh state: the factor is 1
+          if (p.dropout) {
+            if (p.keep_scale == Scalar(0)) continue;
+            const Index k4 = k0 >> 2, blocks = ((k0 + n + 3) >> 2) - k4;
+            p.sampler.fill_bits(b * p.heads + h, q, k4, blocks, bits);
+            const std::uint32_t* w = bits + (k0 - 4 * k4);
+            for (Index j = 0; j < n; ++j) s[j] = p.sampler.dropped_bits(w[j]) ? Scalar(0) : s[j] * p.keep_scale;
+          }
+          // acc = V^T p over the visible keys only: a hidden key adds nothing, not even a NaN in its value.
+          const typename Visibility<Scalar>::Segment seg = visibility.segment(range, b, h, q, k0, n);
+          Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> av(acc, p.d_v);
+          if (seg.solid) {
+            av.noalias() = vmat.middleRows(seg.lo, seg.hi - seg.lo).transpose() *
+                           Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(s + seg.lo, seg.hi - seg.lo);
+          } else {
+            for (Index j = seg.lo; j < seg.hi; ++j)
+              if (!visibility.masked(b, h, q, k0 + j)) av += s[j] * vmat.row(j).transpose();
+          }
+        }
+      }
+    }
+  });
+
+  // Merge each row's partial states in chunk order, then finish it.
+  const bool accumulated = !(p.dropout && p.keep_scale == Scalar(0));
+  parallel_for(device, p.batch * rows, std::max<Index>(1, p.batch * rows / (4 * workers)), [&](Index r0, Index r1) {
+    for (Index r = r0; r < r1; ++r) {
+      const Index b = r / rows, hq = r % rows, h = hq / p.nq, q = hq % p.nq;
+      const Index first = (b * chunks) * rows + hq;
+      SoftmaxRow<Scalar> st = ws.states[static_cast<std::size_t>(first)];
+      Scalar* acc = ws.acc.data() + first * p.d_v;
+      for (Index c = 1; c < chunks; ++c) {
+        const Index other = (b * chunks + c) * rows + hq;
+        st.merge(ws.states[static_cast<std::size_t>(other)], acc, ws.acc.data() + other * p.d_v, p.d_v);
+      }
+      finish_row(p.out.row(b, h, q), acc, p.d_v, st, p.masked_rows, accumulated);
+      const Index bh = b * p.heads + h;
+      if (p.lse != nullptr) p.lse[bh * p.nq + q] = st.log_sum_exp();
+      if (p.probabilities != nullptr) {
+        // The scores again, normalised by the row's log-sum-exp (as the tiled kernel writes them).
+        Scalar* out = p.probabilities + (bh * p.nq + q) * p.nk;
+        const Scalar fill = !st.seen && p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(0);
+        std::fill_n(out, p.nk, fill);
+        if (!st.seen) continue;
+        const KeyRange range = visibility.row(b, h, q);
+        const Scalar lse = st.log_sum_exp();
+        for (Index k0 = range.lo / kDecodeChunk * kDecodeChunk; k0 < range.hi; k0 += kDecodeChunk) {
+          const Index n = std::min(kDecodeChunk, p.nk - k0);
+          Scalar* x = out + k0;
+          using Rows = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, 0,
+                                  Eigen::OuterStride<>>;
+          const Rows kmat(p.k.row(b, h, k0), n, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
+          Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> xv(x, n);
+          xv.noalias() = kmat * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(p.q.row(b, h, q), p.d_k);
+          xv *= p.scale;
+          pipeline.apply(x, n, b, h, q, k0, range);
+          detail::ShiftedExp<Scalar>::run(x, n, lse);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace kernels
+}  // namespace sdpa
