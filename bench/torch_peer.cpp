@@ -106,6 +106,57 @@ const float* TorchPeer::output() const {
 
 void TorchPeer::drop_output() { impl_->output = torch::Tensor(); }
 
+struct TorchDecoder::Impl {
+  TorchShape shape;
+  ScaledDotProductAttention module{nullptr};
+  torch::Tensor past_k, past_v, output;
+};
+
+TorchDecoder::TorchDecoder(const TorchShape& s, TorchLinearParams fc_q, TorchLinearParams fc_k, TorchLinearParams fc_v,
+                           TorchLinearParams fc_o)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->shape = s;
+  impl_->module = ScaledDotProductAttention(s.d_model, s.d_k, s.d_v, s.h, 0.0);
+  torch::NoGradGuard no_grad;
+  copy_linear(impl_->module->fc_q, fc_q);
+  copy_linear(impl_->module->fc_k, fc_k);
+  copy_linear(impl_->module->fc_v, fc_v);
+  copy_linear(impl_->module->fc_o, fc_o);
+  impl_->module->eval();
+}
+
+TorchDecoder::~TorchDecoder() = default;
+
+void TorchDecoder::set_past(const float* prefix, std::int64_t n) {
+  torch::NoGradGuard no_grad;
+  c10::InferenceMode inference;
+  const TorchShape& s = impl_->shape;
+  auto x = torch::from_blob(const_cast<float*>(prefix), {s.batch, n, s.d_model}, torch::TensorOptions().dtype(torch::kFloat32));
+  auto& m = impl_->module;
+  impl_->past_k = m->fc_k(x).view({s.batch, n, s.h, s.d_k}).permute({0, 2, 1, 3}).contiguous();
+  impl_->past_v = m->fc_v(x).view({s.batch, n, s.h, s.d_v}).permute({0, 2, 1, 3}).contiguous();
+}
+
+void TorchDecoder::step(const float* token) {
+  torch::NoGradGuard no_grad;
+  c10::InferenceMode inference;
+  const TorchShape& s = impl_->shape;
+  auto& m = impl_->module;
+  impl_->output = torch::Tensor();
+  auto x = torch::from_blob(const_cast<float*>(token), {s.batch, 1, s.d_model}, torch::TensorOptions().dtype(torch::kFloat32));
+  auto q = m->fc_q(x).view({s.batch, 1, s.h, s.d_k}).permute({0, 2, 1, 3});
+  auto k = torch::cat({impl_->past_k, m->fc_k(x).view({s.batch, 1, s.h, s.d_k}).permute({0, 2, 1, 3})}, 2);
+  auto v = torch::cat({impl_->past_v, m->fc_v(x).view({s.batch, 1, s.h, s.d_v}).permute({0, 2, 1, 3})}, 2);
+  auto att = torch::softmax(torch::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(s.d_k)), -1);
+  auto out = torch::matmul(att, v).permute({0, 2, 1, 3}).contiguous().view({s.batch, 1, s.h * s.d_v});
+  impl_->output = m->fc_o(out);
+}
+
+const float* TorchDecoder::output() const {
+  TORCH_CHECK(impl_->output.defined() && impl_->output.is_contiguous(), "TorchDecoder: no contiguous output");
+  return impl_->output.data_ptr<float>();
+}
+
 void TorchPeer::set_num_threads(int threads) {
   at::set_num_threads(threads);
   // Debian's LibTorch calls whatever libblas.so.3 provides; OpenBLAS keeps its own thread pool, which

@@ -48,4 +48,27 @@ class TorchPeer {
   std::unique_ptr<Impl> impl_;
 };
 
+// Hugging Face's decoding loop with its legacy cache, in LibTorch ops on the same weights: past keys and
+// values as (batch, h, n, d) tensors; a step projects the new token, torch::cat's its key and value onto
+// the past ones, attends (the new query sees every key: no mask), merges the heads and applies fc_o. The
+// grown past is not kept, so that every timed step runs against the same cache length.
+class TorchDecoder {
+ public:
+  TorchDecoder(const TorchShape& shape, TorchLinearParams fc_q, TorchLinearParams fc_k, TorchLinearParams fc_v,
+               TorchLinearParams fc_o);
+  ~TorchDecoder();
+  TorchDecoder(const TorchDecoder&) = delete;
+  TorchDecoder& operator=(const TorchDecoder&) = delete;
+
+  // The past: the keys and values of prefix (batch, n, d_model).
+  void set_past(const float* prefix, std::int64_t n);
+  // One step for token (batch, 1, d_model); the result stays until the next step.
+  void step(const float* token);
+  const float* output() const;  // (batch, 1, d_model)
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace sdpa_bench

@@ -1,0 +1,220 @@
+// decode_bench: autoregressive decoding with a KVCache (d_model 512, h 8, d_k = d_v = 64, float, eval):
+//   decode/step/cache:<n>/batch:<b>/threads:<t>   one step of one token per sequence against n cached
+//                                                 entries (the cache is truncated back after each step)
+//   decode/recompute/N:<n>/threads:1              forward(x, x, x, {causal}) over all n + 1 tokens: what a
+//                                                 step replaces
+//   decode/read/bytes:<B>/threads:1               a STREAM-like sum over B bytes, B = what the batch-1 step
+//                                                 at that cache reads (its keys and values + the four weight
+//                                                 matrices): the machine's read-bandwidth bound, same run
+//   decode/torch/cache:<n>/batch:1/threads:1      the same step as Hugging Face's loop in LibTorch ops (cat of
+//                                                 past keys and values, attention, fc_o), same weights
+//   decode/generate/N:4096/threads:1              4096 tokens one by one from an empty cache (one iteration)
+//   decode_bench --peak_rss_generate N            generates N tokens, prints {"N", "vm_hwm_mib",
+//                                                 "cache_mib", "weights_mib"} as JSON (fresh process)
+// Counters: bytes (what a step reads), GBps (those bytes per second).
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+#ifdef SDPA_BENCH_WITH_TORCH
+#include "torch_peer.hpp"
+#endif
+
+namespace sdpa_bench {
+namespace {
+
+using Cache = sdpa::KVCache<float>;
+
+const Eigen::ThreadPoolDevice* device_for(int threads) {
+  if (threads <= 1) return nullptr;
+  static Eigen::ThreadPool pool(2);
+  static Eigen::ThreadPoolDevice device(&pool, 2);
+  return &device;
+}
+
+// The module and tokens every case uses (PyTorch's default init, deterministic inputs).
+struct Decoding {
+  Config cfg = long_config(1, false);
+  Module module{512, 64, 64, 8, 0.0f};
+  Decoding() {
+    module.init_weights(sdpa::init::PyTorchDefaultPolicy{});
+    module.eval();
+  }
+  Tensor3 tokens(Index batch, Index n, std::uint64_t stream) const {
+    Tensor3 x(batch, n, 512);
+    sdpa::Philox gen(0xdec0de, stream);
+    sdpa::init::Uniform{-1.0, 1.0}(x, gen);
+    return x;
+  }
+  // Bytes a batch-1 step reads: the cache's keys and values for n entries, and the four weight matrices.
+  static double step_bytes(Index n, Index batch) {
+    return 4.0 * (static_cast<double>(batch) * 2.0 * static_cast<double>(n) * 512.0 + 4.0 * 512.0 * 512.0);
+  }
+};
+
+const Decoding& decoding() {
+  static const Decoding d;
+  return d;
+}
+
+void step_case(benchmark::State& state, Index n, Index batch, int threads) {
+  const Decoding& d = decoding();
+  Cache cache(d.module, batch, n + 1);
+  d.module.append(d.tokens(batch, n, 1), d.tokens(batch, n, 2), cache);
+  const Tensor3 token = d.tokens(batch, 1, 3);
+  Tensor3 out(batch, 1, 512);
+  sdpa::AttentionOptions<float> o;
+  o.device = device_for(threads);
+  Eigen::TensorMap<Tensor3> out_map(out.data(), batch, 1, 512);
+  for (auto _ : state) {
+    d.module.step(token, cache, o, out_map);
+    cache.truncate(n);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double bytes = Decoding::step_bytes(n, batch);
+  state.counters["bytes"] = bytes;
+  state.counters["GBps"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["nthreads"] = threads;
+}
+
+void recompute_case(benchmark::State& state, Index n) {
+  const Decoding& d = decoding();
+  const Tensor3 x = d.tokens(1, n, 4);
+  sdpa::AttentionOptions<float> o;
+  o.causal = true;
+  for (auto _ : state) {
+    auto y = d.module(x, x, x, o);
+    benchmark::DoNotOptimize(y.data());
+  }
+}
+
+void read_case(benchmark::State& state, double bytes) {
+  std::vector<float> buf(static_cast<std::size_t>(bytes / 4));
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i % 7);
+  for (auto _ : state) {
+    // Eigen's vectorised sum (several packet accumulators), so that the additions keep up with the loads.
+    Eigen::Map<const Eigen::ArrayXf> a(buf.data(), static_cast<Eigen::Index>(buf.size()));
+    float s = a.sum();
+    benchmark::DoNotOptimize(s);
+  }
+  state.counters["bytes"] = bytes;
+  state.counters["GBps"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void generate_case(benchmark::State& state, Index n) {
+  const Decoding& d = decoding();
+  const Tensor3 tokens = d.tokens(1, n, 5);
+  for (auto _ : state) {
+    Cache cache(d.module, 1);
+    Tensor3 out(1, 1, 512);
+    Eigen::TensorMap<Tensor3> out_map(out.data(), 1, 1, 512);
+    for (Index t = 0; t < n; ++t) {
+      const Eigen::TensorMap<const Tensor3> token(tokens.data() + t * 512, 1, 1, 512);
+      d.module.step(token, cache, {}, out_map);
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+#ifdef SDPA_BENCH_WITH_TORCH
+void torch_case(benchmark::State& state, Index n) {
+  const Decoding& d = decoding();
+  TorchPeer::set_num_threads(1);
+  auto p = [](const sdpa::Linear<float>& l) { return TorchLinearParams{l.weight().data(), l.bias().data()}; };
+  TorchDecoder torch(TorchShape{1, 1, n, 512, 64, 64, 8}, p(d.module.fc_q()), p(d.module.fc_k()), p(d.module.fc_v()),
+                     p(d.module.fc_o()));
+  const Tensor3 keys = d.tokens(1, n, 1), token = d.tokens(1, 1, 3);
+  torch.set_past(keys.data(), n);
+  // The two agree on the step's output (past = keys of the same prefix as sdpa's cache, values too).
+  Cache cache(d.module, 1, n + 1);
+  d.module.append(keys, keys, cache);
+  const Tensor3 mine = d.module.step(token, cache);
+  torch.step(token.data());
+  float err = 0, ref = 0;
+  for (Index i = 0; i < 512; ++i) {
+    err = std::max(err, std::abs(mine.data()[i] - torch.output()[i]));
+    ref = std::max(ref, std::abs(mine.data()[i]));
+  }
+  if (!(err <= 1e-4f * std::max(ref, 1e-6f))) {
+    state.SkipWithError(("sdpa and LibTorch disagree: " + std::to_string(err)).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    torch.step(token.data());
+    benchmark::DoNotOptimize(torch.output());
+  }
+}
+#endif
+
+double vm_hwm_mib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::atof(line.c_str() + 6) / 1024.0;
+  return -1;
+}
+
+template <typename F>
+void add(const std::string& name, F f) {
+  benchmark::RegisterBenchmark(name.c_str(), f)->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+}  // namespace sdpa_bench
+
+int main(int argc, char** argv) {
+  using namespace sdpa_bench;
+  if (argc == 3 && std::strcmp(argv[1], "--peak_rss_generate") == 0) {
+    const Index n = std::atol(argv[2]);
+    const Decoding& d = decoding();
+    const Tensor3 tokens = d.tokens(1, n, 5);
+    const double before = vm_hwm_mib();
+    Cache cache(d.module, 1);
+    Tensor3 out(1, 1, 512);
+    Eigen::TensorMap<Tensor3> out_map(out.data(), 1, 1, 512);
+    for (Index t = 0; t < n; ++t)
+      d.module.step(Eigen::TensorMap<const Tensor3>(tokens.data() + t * 512, 1, 1, 512), cache, {}, out_map);
+    std::printf("{\"N\": %ld, \"vm_hwm_mib\": %.1f, \"before_mib\": %.1f, \"cache_mib\": %.1f, \"weights_mib\": %.1f, "
+                "\"tokens_mib\": %.1f, \"checksum\": %.6g}\n",
+                static_cast<long>(n), vm_hwm_mib(), before,
+                2.0 * static_cast<double>(cache.capacity()) * 512 * 4 / (1 << 20), 4.0 * 512 * 512 * 4 / (1 << 20),
+                static_cast<double>(n) * 512 * 4 / (1 << 20), static_cast<double>(out(0, 0, 0)));
+    return 0;
+  }
+  for (Index n : {Index(128), Index(1024), Index(2048), Index(4095), Index(16383)})
+    for (int threads : {1, 2})
+      add("decode/step/cache:" + std::to_string(n) + "/batch:1/threads:" + std::to_string(threads),
+          [n, threads](benchmark::State& s) { step_case(s, n, 1, threads); });
+  for (int threads : {1, 2})
+    add("decode/step/cache:2048/batch:8/threads:" + std::to_string(threads),
+        [threads](benchmark::State& s) { step_case(s, 2048, 8, threads); });
+  add("decode/recompute/N:4096/threads:1", [](benchmark::State& s) { recompute_case(s, 4096); });
+  for (Index n : {Index(128), Index(1024), Index(2048), Index(4095), Index(16383)}) {
+    const double bytes = Decoding::step_bytes(n, 1);
+    add("decode/read/cache:" + std::to_string(n) + "/bytes:" + std::to_string(static_cast<long long>(bytes)) + "/threads:1",
+        [bytes](benchmark::State& s) { read_case(s, bytes); });
+  }
+#ifdef SDPA_BENCH_WITH_TORCH
+  for (Index n : {Index(128), Index(1024), Index(4096)})
+    add("decode/torch/cache:" + std::to_string(n) + "/batch:1/threads:1", [n](benchmark::State& s) { torch_case(s, n); });
+#endif
+  benchmark::RegisterBenchmark("decode/generate/N:4096/threads:1", [](benchmark::State& s) { generate_case(s, 4096); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(1);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
