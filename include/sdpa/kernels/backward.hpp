@@ -1,0 +1,479 @@
+// The attention core's backward pass (FlashAttention 2's, Dao 2023, on the CPU): from dL/dO, the forward's
+// output O and each row's log-sum-exp it gives dL/dq, dL/dk, dL/dv and the gradients of the score weights
+// and bias. tiled_backward revisits the forward's tiles with the same TileScorer and score pipeline
+// (tiled.hpp, scores.hpp), so its scores are the forward's bit for bit; it recomputes each tile's
+// probabilities as exp(s - lse), replays dropout from the problem's sampler and runs the tile's products
+// as GEMMs, storing nothing of size nq x nk. reference_backward is the plain oracle: whole rows, one element
+// at a time, straight from the definitions. Both follow PyTorch's autograd of the original module, where
+// a row's softmax is NaN (every key hidden under MaskedRows::kNaN, or a NaN or infinite score): its
+// probabilities are NaN over all keys, so every dv row of its (batch, head) is NaN, while the masked_fill
+// zeroes the hidden scores' gradient, so dq and dk get nothing through hidden keys.
+#pragma once
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/projection.hpp"
+#include "sdpa/kernels/reference.hpp"
+#include "sdpa/kernels/scores.hpp"
+#include "sdpa/kernels/softmax.hpp"
+#include "sdpa/kernels/tile_config.hpp"
+#include "sdpa/kernels/tiled.hpp"
+#include "sdpa/kernels/visibility.hpp"
+#include "sdpa/parallel.hpp"
+
+namespace sdpa {
+namespace kernels {
+
+template <typename Scalar>
+struct BackwardProblem {
+  // As the forward ran it: forward->out holds O (the attention output before fc_o) and forward->lse the
+  // rows' log-sum-exp, which the backward requires.
+  const AttentionProblem<Scalar>* forward = nullptr;
+  Heads<const Scalar> d_out;  // dL/dO, the layout of forward->out: (batch, nq, heads * d_v)
+  // Written, not accumulated: the layouts of forward->q, k and v, each with its own strides.
+  Heads<Scalar> d_q, d_k, d_v;
+  // When forward->weights (bias) is set and this is not null: dense, row-major, the shape of the weights
+  // (bias) tensor, its broadcast dimensions summed over; written.
+  Scalar* d_weights = nullptr;
+  Scalar* d_bias = nullptr;
+  std::array<Eigen::Index, 4> weights_dims{}, bias_dims{};  // each dimension 1 or full
+};
+
+namespace detail {
+
+// c[m, n] (ldc) += a[k, m]^T (lda) * b[k, n] (ldb): the tile products that read a tile transposed (P^T dO,
+// dS^T q). Eigen packs the transposed operand as it reads it, where a transposed copy followed by
+// gemm_nn_add would add a pass over the tile.
+template <typename Scalar>
+void gemm_tn_add(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* b,
+                 Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> as(a, k, m, Stride(lda)), bs(b, k, n, Stride(ldb));
+  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cs(c, m, n, Stride(ldc));
+  cs.noalias() += as.transpose() * bs;
+}
+
+// A dense gradient of a broadcast tensor, addressed with full (b, h, q, k) coordinates: stride 0 along the
+// tensor's broadcast dimensions, so that adding to it sums over them.
+template <typename Scalar>
+struct DenseGradient {
+  Scalar* data = nullptr;
+  std::array<Eigen::Index, 4> stride{};
+  Eigen::Index size = 0;
+
+  DenseGradient() = default;
+  DenseGradient(Scalar* d, const std::array<Eigen::Index, 4>& dims) : data(d) {
+    Eigen::Index dense = 1;
+    for (std::size_t i = 4; i-- > 0;) {
+      stride[i] = dims[i] == 1 ? 0 : dense;
+      dense *= dims[i];
+    }
+    size = dense;
+  }
+  explicit operator bool() const noexcept { return data != nullptr; }
+  Scalar* row(Eigen::Index b, Eigen::Index h, Eigen::Index q) const noexcept {
+    return data + b * stride[0] + h * stride[1] + q * stride[2];
+  }
+  void zero() const { std::fill_n(data, size, Scalar(0)); }
+};
+
+template <typename Scalar>
+DenseGradient<Scalar> dense_gradient(Scalar* data, const BroadcastView<Scalar>& of,
+                                     const std::array<Eigen::Index, 4>& dims) {
+  if (data == nullptr || !of) return {};
+  return DenseGradient<Scalar>(data, dims);
+}
+
+// The (batch, head) pairs of the backward, in units of work: a unit is one pair, or every pair that adds to
+// the same slice of a broadcast weights or bias gradient (all batch entries of a head when one broadcasts
+// over the batch, ...). One worker runs a unit's pairs in a fixed order, so every gradient element receives
+// its terms in the same order whatever the threads.
+struct BackwardUnits {
+  Eigen::Index batch = 0, heads = 0;
+  bool share_batch = false, share_heads = false;
+
+  Eigen::Index count() const noexcept { return (share_batch ? 1 : batch) * (share_heads ? 1 : heads); }
+
+  template <typename F>
+  void for_each_pair(Eigen::Index unit, F&& f) const {
+    const Eigen::Index nh = share_heads ? 1 : heads;
+    const Eigen::Index ub = unit / nh, uh = unit % nh;
+    for (Eigen::Index b = share_batch ? 0 : ub; b < (share_batch ? batch : ub + 1); ++b)
+      for (Eigen::Index h = share_heads ? 0 : uh; h < (share_heads ? heads : uh + 1); ++h) f(b, h);
+  }
+};
+
+template <typename Scalar>
+BackwardUnits backward_units(const BackwardProblem<Scalar>& bp) {
+  const AttentionProblem<Scalar>& p = *bp.forward;
+  const bool w = bp.d_weights != nullptr && p.weights, bias = bp.d_bias != nullptr && p.bias;
+  BackwardUnits u;
+  u.batch = p.batch;
+  u.heads = p.heads;
+  u.share_batch = p.batch > 1 && ((w && bp.weights_dims[0] == 1) || (bias && bp.bias_dims[0] == 1));
+  u.share_heads = p.heads > 1 && ((w && bp.weights_dims[1] == 1) || (bias && bp.bias_dims[1] == 1));
+  return u;
+}
+
+template <typename Scalar>
+void fill_rows(const Heads<Scalar>& x, Eigen::Index b, Eigen::Index h, Eigen::Index n, Eigen::Index d, Scalar value) {
+  for (Eigen::Index i = 0; i < n; ++i) std::fill_n(x.row(b, h, i), d, value);
+}
+
+// The gradients of an empty problem (no queries or no keys): zero, as nothing flows.
+template <typename Scalar>
+void backward_nothing_flows(const BackwardProblem<Scalar>& bp) {
+  const AttentionProblem<Scalar>& p = *bp.forward;
+  for (Eigen::Index b = 0; b < p.batch; ++b)
+    for (Eigen::Index h = 0; h < p.heads; ++h) {
+      fill_rows(bp.d_q, b, h, p.nq, p.d_k, Scalar(0));
+      fill_rows(bp.d_k, b, h, p.nk, p.d_k, Scalar(0));
+      fill_rows(bp.d_v, b, h, p.nk, p.d_v, Scalar(0));
+    }
+}
+
+}  // namespace detail
+
+// The backward of one worker: every gradient of the (batch, head) pairs it is given, one pair at a time.
+// Per group of query rows it walks the forward's tiles (key blocks outer, query blocks inner) and
+// accumulates dq of the group in scratch, dk and dv straight into their outputs; so each gradient element
+// sums its terms in the order of the blocks, whatever the grouping or the threads.
+template <typename Scalar>
+class TiledBackward {
+ public:
+  using Index = Eigen::Index;
+  using Segment = typename Visibility<Scalar>::Segment;
+
+  TiledBackward(const BackwardProblem<Scalar>& bp, const ScorePipeline<Scalar>& pipeline, const TileConfig& c)
+      : bp_(bp),
+        p_(*bp.forward),
+        vis_(pipeline.visibility()),
+        scorer_(pipeline, c.block_q, c.block_k, c.group),
+        span_(c.group * c.block_q),
+        ldd_((c.block_k + kLine - 1) / kLine * kLine),
+        dw_(detail::dense_gradient(bp.d_weights, p_.weights, bp.weights_dims)),
+        db_(detail::dense_gradient(bp.d_bias, p_.bias, bp.bias_dims)),
+        ds_buf_(static_cast<std::size_t>(c.block_q * ldd_ + kLine)),
+        u_buf_(dw_ ? static_cast<std::size_t>(c.block_q * ldd_ + kLine) : 0),
+        dq_buf_(static_cast<std::size_t>(span_ * p_.d_k + kLine)),
+        delta_(static_cast<std::size_t>(span_)),
+        lse_(static_cast<std::size_t>(span_)),
+        seen_(static_cast<std::size_t>(span_)),
+        bits_(p_.dropout ? static_cast<std::size_t>(c.block_k + 8) : 0) {}
+
+  void run(Index b, Index h) {
+    const AttentionProblem<Scalar>& p = p_;
+    detail::fill_rows(bp_.d_k, b, h, p.nk, p.d_k, Scalar(0));
+    detail::fill_rows(bp_.d_v, b, h, p.nk, p.d_v, Scalar(0));
+    nan_values_ = false;
+    for (Index q0 = 0; q0 < p.nq; q0 += span_) run_group(b, h, q0, std::min(span_, p.nq - q0));
+    if (nan_values_) detail::fill_rows(bp_.d_v, b, h, p.nk, p.d_v, std::numeric_limits<Scalar>::quiet_NaN());
+  }
+
+ private:
+  static constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
+  using Row = Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+  using ConstRow = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+
+  static Scalar* aligned(std::vector<Scalar>& buf) noexcept {
+    const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
+    return buf.data() + ((64 - addr % 64) % 64) / sizeof(Scalar);
+  }
+
+  void run_group(Index b, Index h, Index q0, Index rows) {
+    const AttentionProblem<Scalar>& p = p_;
+    const Index bh = b * p.heads + h;
+    for (Index r = 0; r < rows; ++r) {
+      const std::size_t sr = static_cast<std::size_t>(r);
+      // D = rowsum(dO o O): with dropout too, since O already holds the dropped, rescaled probabilities.
+      delta_[sr] = ConstRow(bp_.d_out.row(b, h, q0 + r), p.d_v).matrix().dot(ConstRow(p.out.row(b, h, q0 + r), p.d_v).matrix());
+      lse_[sr] = p.lse[bh * p.nq + q0 + r];
+      seen_[sr] = 0;
+    }
+    Scalar* dq = aligned(dq_buf_);
+    std::fill_n(dq, rows * p.d_k, Scalar(0));
+    scorer_.run(b, h, q0, rows, [&](const Tile<Scalar>& t) { visit(t); }, /*count=*/false);
+    for (Index r = 0; r < rows; ++r) {
+      std::copy_n(dq + r * p.d_k, p.d_k, bp_.d_q.row(b, h, q0 + r));
+      if (!seen_[static_cast<std::size_t>(r)] && p.masked_rows == MaskedRows::kNaN) nan_values_ = true;
+    }
+  }
+
+  void visit(const Tile<Scalar>& t) {
+    const AttentionProblem<Scalar>& p = p_;
+    const Index b = t.b, h = t.h, bh = b * p.heads + h;
+    const Index ni = t.i1 - t.i0, nj = t.width();
+    const Index first_query = t.q0 + t.r0 + t.i0, first_key = t.k0 + t.j0;
+    const Scalar* dout = bp_.d_out.row(b, h, first_query);
+    const Scalar* q = p.q.row(b, h, first_query);
+    const Scalar* k = p.k.row(b, h, first_key);
+    // Rectangle row i - i0 of ds (and u) is tile row i, from key first_key on.
+    Scalar* ds = aligned(ds_buf_);
+    Scalar* u = dw_ ? aligned(u_buf_) : nullptr;
+
+    // dP = dO v^T, then dS in place; u = scale * q k^T, the score before the weights, for their gradient.
+    gemm_nt(ni, nj, p.d_v, Scalar(1), dout, bp_.d_out.row_stride, p.v.row(b, h, first_key), p.v.row_stride, ds, ldd_);
+    if (u != nullptr) gemm_nt(ni, nj, p.d_k, p.scale, q, p.q.row_stride, k, p.k.row_stride, u, ldd_);
+    for (Index i = t.i0; i < t.i1; ++i) {
+      const Index r = t.r0 + i, query = t.q0 + r;
+      Scalar* pr = t.row(i);
+      Scalar* dr = ds + (i - t.i0) * ldd_;
+      Segment seg = t.segments[i];
+      if (seg.none()) {
+        // A row that sees no key of this tile: no probability, no gradient.
+        std::fill_n(pr, nj, Scalar(0));
+        std::fill_n(dr, nj, Scalar(0));
+        continue;
+      }
+      seg.lo -= t.j0;
+      seg.hi -= t.j0;
+      seen_[static_cast<std::size_t>(r)] = 1;
+      const Scalar lse = lse_[static_cast<std::size_t>(r)];
+      if (std::isfinite(lse)) {
+        detail::ShiftedExp<Scalar>::run(pr, nj, lse);  // hidden keys' -inf give exactly 0
+      } else {
+        // The forward's softmax of this row was NaN (a NaN or infinite score, or every visible score -inf):
+        // so are its probabilities, and PyTorch's dv gets NaN from every key of the (batch, head).
+        std::fill_n(pr, nj, Scalar(0));
+        std::fill(pr + seg.lo, pr + seg.hi, std::numeric_limits<Scalar>::quiet_NaN());
+        nan_values_ = true;
+      }
+      const Scalar delta = delta_[static_cast<std::size_t>(r)];
+      if (p.dropout) {
+        // dP = (dO v^T) o Z and dv's operand P o Z, Z = 0 (dropped) or keep_scale, from the forward's draw.
+        const DropoutSampler& sampler = p.sampler;
+        const Index k4_begin = first_key >> 2, blocks = ((first_key + nj + 3) >> 2) - k4_begin;
+        sampler.fill_bits(bh, query, k4_begin, blocks, bits_.data());
+        const std::uint32_t* bits = bits_.data() + (first_key - 4 * k4_begin);
+        for (Index j = 0; j < nj; ++j) {
+          const Scalar z = sampler.dropped_bits(bits[j]) ? Scalar(0) : p.keep_scale;
+          dr[j] = pr[j] * (dr[j] * z - delta);
+          pr[j] *= z;
+        }
+      } else {
+        Row(dr, nj) = ConstRow(pr, nj) * (Row(dr, nj) - delta);
+      }
+      if (t.any_hidden) zero_hidden(t, i, seg, dr, nj);
+      if (db_ || dw_) add_score_gradients(t, i, query, seg, dr, u == nullptr ? nullptr : u + (i - t.i0) * ldd_);
+      // dU = dS o weights, times the scale that multiplied q . k: the operand of dq and dk.
+      if (p.weights) detail::apply_broadcast_row(dr, nj, p.weights, b, h, query, first_key, /*multiply=*/true);
+      Row(dr, nj) *= p.scale;
+    }
+
+    // With p = 1 every probability is dropped and dv gets nothing.
+    if (!(p.dropout && p.keep_scale == Scalar(0)))
+      detail::gemm_tn_add(nj, p.d_v, ni, t.row(t.i0), t.lds, dout, bp_.d_out.row_stride, bp_.d_v.row(b, h, first_key),
+                          bp_.d_v.row_stride);
+    Scalar* dq = aligned(dq_buf_) + (t.r0 + t.i0) * p.d_k;
+    if (t.any_hidden && !keys_finite(k, nj)) {
+      // A hidden key passes no gradient, not even a NaN or infinity in its k row, which the product would
+      // spread as 0 * NaN: the visible keys one by one (only inputs with NaN or inf come here).
+      for (Index i = t.i0; i < t.i1; ++i)
+        for (Index j = t.j0; j < t.j1; ++j) {
+          if (t.hidden(vis_, i, j)) continue;
+          const Scalar g = ds[(i - t.i0) * ldd_ + (j - t.j0)];
+          const Scalar* kj = p.k.row(b, h, t.k0 + j);
+          for (Index d = 0; d < p.d_k; ++d) dq[(i - t.i0) * p.d_k + d] += g * kj[d];
+        }
+    } else {
+      gemm_nn_add(ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
+    }
+    detail::gemm_tn_add(nj, p.d_k, ni, ds, ldd_, q, p.q.row_stride, bp_.d_k.row(b, h, first_key), bp_.d_k.row_stride);
+  }
+
+  // dS = 0 at the keys the row does not see (seg relative to the rectangle's first key), whatever dP held
+  // there: the masked_fill's gradient.
+  void zero_hidden(const Tile<Scalar>& t, Index i, const Segment& seg, Scalar* dr, Index nj) const {
+    std::fill(dr, dr + seg.lo, Scalar(0));
+    std::fill(dr + seg.hi, dr + nj, Scalar(0));
+    if (seg.solid) return;
+    for (Index j = seg.lo; j < seg.hi; ++j)
+      if (t.hidden(vis_, i, t.j0 + j)) dr[j] = Scalar(0);
+  }
+
+  // d_bias += dS and d_weights += dS o u over the row's visible keys, summed over broadcast dimensions.
+  void add_score_gradients(const Tile<Scalar>& t, Index i, Index query, const Segment& seg, const Scalar* dr,
+                           const Scalar* ur) {
+    const Index first_key = t.k0 + t.j0;
+    auto add = [&](const detail::DenseGradient<Scalar>& g, auto term) {
+      Scalar* target = g.row(t.b, t.h, query);
+      const Index stride = g.stride[3];
+      Scalar sum = Scalar(0);
+      for (Index j = seg.lo; j < seg.hi; ++j) {
+        if (!seg.solid && t.hidden(vis_, i, t.j0 + j)) continue;
+        if (stride == 0) sum += term(j);
+        else target[(first_key + j) * stride] += term(j);
+      }
+      if (stride == 0) *target += sum;
+    };
+    if (db_) add(db_, [&](Index j) { return dr[j]; });
+    if (dw_) add(dw_, [&](Index j) { return dr[j] * ur[j]; });
+  }
+
+  bool keys_finite(const Scalar* k, Index nj) const {
+    for (Index j = 0; j < nj; ++j)
+      if (!ConstRow(k + j * p_.k.row_stride, p_.d_k).allFinite()) return false;
+    return true;
+  }
+
+  const BackwardProblem<Scalar>& bp_;
+  const AttentionProblem<Scalar>& p_;
+  const Visibility<Scalar>& vis_;
+  TileScorer<Scalar> scorer_;
+  const Index span_, ldd_;
+  const detail::DenseGradient<Scalar> dw_, db_;
+  // Scratch starts on a cache line in every worker: Eigen's products of small operands vectorise from the
+  // first aligned element, so their rounding would otherwise depend on where a worker's buffer landed.
+  std::vector<Scalar> ds_buf_, u_buf_;  // one tile of dP, then dS; of u = scale * q . k
+  std::vector<Scalar> dq_buf_;          // the group's dq rows
+  std::vector<Scalar> delta_, lse_;     // per group row
+  std::vector<char> seen_;              // per group row: saw a visible key
+  std::vector<std::uint32_t> bits_;     // one row's dropout words
+  bool nan_values_ = false;             // a row of the current pair had a NaN softmax
+};
+
+// The attention core's backward, tiled (see the header comment). Zero fields of `config` are derived from
+// the caches as for the forward. Deterministic: for a given config the results are the same bits on any
+// number of threads and in every call.
+template <typename Scalar>
+void tiled_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDevice* device = nullptr,
+                    TileConfig config = TileConfig{}) {
+  using Index = Eigen::Index;
+  eigen_assert(bp.forward != nullptr);
+  const AttentionProblem<Scalar>& p = *bp.forward;
+  const detail::DenseGradient<Scalar> dw = detail::dense_gradient(bp.d_weights, p.weights, bp.weights_dims);
+  const detail::DenseGradient<Scalar> db = detail::dense_gradient(bp.d_bias, p.bias, bp.bias_dims);
+  if (dw) dw.zero();
+  if (db) db.zero();
+  if (p.batch <= 0 || p.heads <= 0) return;
+  if (p.nq <= 0 || p.nk <= 0) {
+    detail::backward_nothing_flows(bp);
+    return;
+  }
+  eigen_assert(p.lse != nullptr);
+  // One worker's view of the config: groups only decide which query blocks share packed operands here, as
+  // a unit is a whole (batch, head), so they are never shrunk for the threads (which keeps the bits too).
+  const TileConfig c = resolve_tile_config(p, config, 1);
+  const detail::BackwardUnits units = detail::backward_units(bp);
+  const Visibility<Scalar> visibility(p, device);
+  const ScorePipeline<Scalar> pipeline(visibility);
+  const Index n = units.count();
+  parallel_for(device, n, balanced_grain(device, n, 4), [&](Index u0, Index u1) {
+    TiledBackward<Scalar> worker(bp, pipeline, c);
+    for (Index u = u0; u < u1; ++u) units.for_each_pair(u, [&](Index b, Index h) { worker.run(b, h); });
+  });
+}
+
+// The plain backward, the oracle of tiled_backward: per (batch, head, query) the whole row of scores and
+// its softmax formed again one element at a time (it needs neither O nor the log-sum-exp), then every
+// gradient term in loops. Simple rather than fast.
+template <typename Scalar>
+void reference_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDevice* device = nullptr) {
+  using Index = Eigen::Index;
+  constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+  eigen_assert(bp.forward != nullptr);
+  const AttentionProblem<Scalar>& p = *bp.forward;
+  const detail::DenseGradient<Scalar> dw = detail::dense_gradient(bp.d_weights, p.weights, bp.weights_dims);
+  const detail::DenseGradient<Scalar> db = detail::dense_gradient(bp.d_bias, p.bias, bp.bias_dims);
+  if (dw) dw.zero();
+  if (db) db.zero();
+  if (p.batch <= 0 || p.heads <= 0) return;
+  if (p.nq <= 0 || p.nk <= 0) {
+    detail::backward_nothing_flows(bp);
+    return;
+  }
+  const detail::BackwardUnits units = detail::backward_units(bp);
+  parallel_for(device, units.count(), 1, [&](Index u0, Index u1) {
+    const std::size_t nk = static_cast<std::size_t>(p.nk);
+    std::vector<Scalar> u(nk), s(nk), prob(nk), dprob(nk), dq(static_cast<std::size_t>(p.d_k));
+    std::vector<char> hidden(nk), dropped(nk);
+    for (Index unit = u0; unit < u1; ++unit) {
+      units.for_each_pair(unit, [&](Index b, Index h) {
+        const Index bh = b * p.heads + h;
+        detail::fill_rows(bp.d_k, b, h, p.nk, p.d_k, Scalar(0));
+        detail::fill_rows(bp.d_v, b, h, p.nk, p.d_v, Scalar(0));
+        for (Index i = 0; i < p.nq; ++i) {
+          const Scalar* qi = p.q.row(b, h, i);
+          const Scalar* doi = bp.d_out.row(b, h, i);
+          bool seen = false;
+          Scalar max = -kInf;
+          for (Index j = 0; j < p.nk; ++j) {
+            const std::size_t sj = static_cast<std::size_t>(j);
+            hidden[sj] = reference_hidden(p, b, h, i, j);
+            dropped[sj] = p.dropout && p.sampler.dropped(bh, i, j);
+            if (hidden[sj]) {
+              s[sj] = -kInf;
+              continue;
+            }
+            seen = true;
+            const Scalar* kj = p.k.row(b, h, j);
+            Scalar dot = 0;
+            for (Index d = 0; d < p.d_k; ++d) dot += qi[d] * kj[d];
+            u[sj] = dot * p.scale;
+            Scalar x = u[sj];
+            if (p.weights) x *= p.weights(b, h, i, j);
+            if (p.bias) x += p.bias(b, h, i, j);
+            if (p.alibi != nullptr) x -= p.alibi[h] * static_cast<Scalar>(std::abs(p.position(i) - j));
+            s[sj] = x;
+            if (x > max || std::isnan(x)) max = std::isnan(max) ? max : x;
+          }
+          // The softmax as PyTorch evaluates it over the masked scores, hidden keys included: exp(-inf - max)
+          // is 0 unless the row is NaN, when every probability is. A row with no visible key is all NaN
+          // under kNaN and all 0 under kZero.
+          Scalar sum = 0;
+          for (std::size_t j = 0; j < nk; ++j) {
+            prob[j] = std::exp(s[j] - max);
+            sum += prob[j];
+          }
+          for (std::size_t j = 0; j < nk; ++j) {
+            prob[j] = seen ? prob[j] / sum
+                           : (p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(0));
+          }
+          // dP (dropped and rescaled) at the visible keys and D = sum_j P_j dP_j = dO . O.
+          Scalar delta = 0;
+          for (Index j = 0; j < p.nk; ++j) {
+            const std::size_t sj = static_cast<std::size_t>(j);
+            if (hidden[sj]) continue;
+            const Scalar* vj = p.v.row(b, h, j);
+            Scalar dot = 0;
+            for (Index d = 0; d < p.d_v; ++d) dot += doi[d] * vj[d];
+            dprob[sj] = dropped[sj] ? Scalar(0) : dot * p.keep_scale;
+            delta += prob[sj] * dprob[sj];
+          }
+          std::fill(dq.begin(), dq.end(), Scalar(0));
+          for (Index j = 0; j < p.nk; ++j) {
+            const std::size_t sj = static_cast<std::size_t>(j);
+            // dv sees every key's probability (0 at a hidden key, unless the row is NaN).
+            const Scalar pz = dropped[sj] ? Scalar(0) * prob[sj] : prob[sj] * p.keep_scale;
+            Scalar* dvj = bp.d_v.row(b, h, j);
+            for (Index d = 0; d < p.d_v; ++d) dvj[d] += pz * doi[d];
+            if (hidden[sj]) continue;
+            const Scalar g = prob[sj] * (dprob[sj] - delta);
+            if (db) db.row(b, h, i)[j * db.stride[3]] += g;
+            if (dw) dw.row(b, h, i)[j * dw.stride[3]] += g * u[sj];
+            const Scalar gu = (p.weights ? g * p.weights(b, h, i, j) : g) * p.scale;
+            const Scalar* kj = p.k.row(b, h, j);
+            Scalar* dkj = bp.d_k.row(b, h, j);
+            for (Index d = 0; d < p.d_k; ++d) {
+              dq[static_cast<std::size_t>(d)] += gu * kj[d];
+              dkj[d] += gu * qi[d];
+            }
+          }
+          std::copy(dq.begin(), dq.end(), bp.d_q.row(b, h, i));
+        }
+      });
+    }
+  });
+}
+
+}  // namespace kernels
+}  // namespace sdpa
