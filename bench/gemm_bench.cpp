@@ -168,14 +168,18 @@ struct Operands {
   Index ldb(const Shape& s) const { return s.op == Op::kNT ? s.k : s.n; }
 };
 
-void ours(benchmark::State& state, Shape s, int threads) {
+// With a Workspace kept across calls, as a layer's projections would (sdpa_<isa>), or with the scratch
+// each call allocates (sdpa_<isa>_no_workspace).
+void ours(benchmark::State& state, Shape s, int threads, bool keep_workspace) {
   Operands x(s);
   const auto* device = device_for(threads);
+  sdpa::gemm::Workspace<float> workspace;
+  sdpa::gemm::Workspace<float>* ws = keep_workspace ? &workspace : nullptr;
   time_product(state, 2.0 * s.m * s.n * s.k, threads, [&]() {
     if (s.op == Op::kNT) {
-      sdpa::gemm::gemm_nt(s.m, s.n, s.k, 1.0f, x.a.data(), s.k, x.b.data(), s.k, 0.0f, x.c.data(), s.n, device);
+      sdpa::gemm::gemm_nt(s.m, s.n, s.k, 1.0f, x.a.data(), s.k, x.b.data(), s.k, 0.0f, x.c.data(), s.n, device, ws);
     } else {
-      sdpa::gemm::gemm_nn(s.m, s.n, s.k, 1.0f, x.a.data(), s.k, x.b.data(), s.n, 0.0f, x.c.data(), s.n, device);
+      sdpa::gemm::gemm_nn(s.m, s.n, s.k, 1.0f, x.a.data(), s.k, x.b.data(), s.n, 0.0f, x.c.data(), s.n, device, ws);
     }
   });
 }
@@ -246,8 +250,7 @@ void dnnl(benchmark::State& state, Shape s, int threads) {
 
 // Adds min and max to the repetition aggregates (applied to times and counters alike).
 benchmark::internal::Benchmark* with_extremes(benchmark::internal::Benchmark* b) {
-  return b
-      ->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); })
+  return b->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); })
       ->ComputeStatistics("max", [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); });
 }
 
@@ -277,11 +280,11 @@ void register_all() {
             ->UseRealTime()
             ->Unit(tile ? benchmark::kMicrosecond : benchmark::kMillisecond);
       };
-      reg("sdpa_" + isa, [s, threads](benchmark::State& st) { ours(st, s, threads); });
+      reg("sdpa_" + isa, [s, threads](benchmark::State& st) { ours(st, s, threads, true); });
+      reg("sdpa_" + isa + "_no_workspace", [s, threads](benchmark::State& st) { ours(st, s, threads, false); });
       if (tile) {
         reg("sdpa_" + isa + "_packed", [s](benchmark::State& st) { ours_packed(st, s, AUse::kPackedOnce); });
-        reg("sdpa_" + isa + "_packed_pack_a",
-            [s](benchmark::State& st) { ours_packed(st, s, AUse::kPackedEachCall); });
+        reg("sdpa_" + isa + "_packed_pack_a", [s](benchmark::State& st) { ours_packed(st, s, AUse::kPackedEachCall); });
         reg("sdpa_" + isa + "_packed_b_a_in_place", [s](benchmark::State& st) { ours_packed(st, s, AUse::kInPlace); });
       }
       reg("eigen", [s, threads](benchmark::State& st) { eigen(st, s, threads); });

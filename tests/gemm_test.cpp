@@ -40,13 +40,20 @@ enum class Op { kNT, kNN, kNTBias, kPackedNT, kPackedNN, kInPlaceNT, kInPlaceNN 
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::kNT: return "gemm_nt";
-    case Op::kNN: return "gemm_nn";
-    case Op::kNTBias: return "gemm_nt_bias";
-    case Op::kPackedNT: return "packed nt";
-    case Op::kPackedNN: return "packed nn";
-    case Op::kInPlaceNT: return "packed B nt, A in place";
-    case Op::kInPlaceNN: return "packed B nn, A in place";
+    case Op::kNT:
+      return "gemm_nt";
+    case Op::kNN:
+      return "gemm_nn";
+    case Op::kNTBias:
+      return "gemm_nt_bias";
+    case Op::kPackedNT:
+      return "packed nt";
+    case Op::kPackedNN:
+      return "packed nn";
+    case Op::kInPlaceNT:
+      return "packed B nt, A in place";
+    case Op::kInPlaceNN:
+      return "packed B nn, A in place";
   }
   return "?";
 }
@@ -120,8 +127,7 @@ std::vector<Scalar> run(Op op, const Shape& s, Scalar alpha, Scalar beta, const 
       gemm::gemm_nn(s.m, s.n, s.k, alpha, x.a.data(), x.lda, x.b.data(), x.ldb, beta, c.data(), x.ldc, device);
       break;
     case Op::kNTBias:
-      gemm::gemm_nt_bias(s.m, s.n, s.k, x.a.data(), x.lda, x.b.data(), x.ldb, x.bias.data(), c.data(), x.ldc,
-                         device);
+      gemm::gemm_nt_bias(s.m, s.n, s.k, x.a.data(), x.lda, x.b.data(), x.ldb, x.bias.data(), c.data(), x.ldc, device);
       break;
     case Op::kPackedNT:
     case Op::kPackedNN: {
@@ -178,8 +184,8 @@ void expect_matches(Op op, const Shape& s, double alpha, double beta, const Oper
       }
       const double got = double(c[to_size(i * x.ldc + j)]);
       if (!(std::abs(got - expected) <= tol * magnitude) && bad++ < 5) {
-        ADD_FAILURE() << what << ": C(" << i << ", " << j << ") = " << got << ", expected " << expected
-                      << " (bound " << tol * magnitude << ")";
+        ADD_FAILURE() << what << ": C(" << i << ", " << j << ") = " << got << ", expected " << expected << " (bound "
+                      << tol * magnitude << ")";
       }
     }
   }
@@ -321,7 +327,8 @@ TYPED_TEST(GemmTest, PackedReuseAndAgreement) {
   gemm::PackedA<Scalar> pa(16, 16);
   gemm::PackedB<Scalar> pb(16, 16);
   const gemm::Blocking& bl = gemm::blocking<Scalar>();
-  const Shape sequence[] = {{40, 70, 33}, {3, 5, 2}, {2 * bl.mr + 1, 2 * bl.nr + 1, bl.kc + 3}, {1, 1, 1}, {19, 23, 29}};
+  const Shape sequence[] = {
+      {40, 70, 33}, {3, 5, 2}, {2 * bl.mr + 1, 2 * bl.nr + 1, bl.kc + 3}, {1, 1, 1}, {19, 23, 29}};
   unsigned seed = 11;
   for (const Shape& s : sequence) {
     for (Op op : {Op::kNT, Op::kNN}) {
@@ -330,10 +337,12 @@ TYPED_TEST(GemmTest, PackedReuseAndAgreement) {
       pa.pack(s.m, s.k, x.a.data(), x.lda);
       if (op == Op::kNT) {
         pb.pack_nt(s.n, s.k, x.b.data(), x.ldb);
-        gemm::gemm_nt(s.m, s.n, s.k, Scalar(0.75), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(-1), direct.data(), x.ldc);
+        gemm::gemm_nt(s.m, s.n, s.k, Scalar(0.75), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(-1), direct.data(),
+                      x.ldc);
       } else {
         pb.pack_nn(s.k, s.n, x.b.data(), x.ldb);
-        gemm::gemm_nn(s.m, s.n, s.k, Scalar(0.75), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(-1), direct.data(), x.ldc);
+        gemm::gemm_nn(s.m, s.n, s.k, Scalar(0.75), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(-1), direct.data(),
+                      x.ldc);
       }
       ASSERT_EQ(pa.rows(), s.m);
       ASSERT_EQ(pa.depth(), s.k);
@@ -346,6 +355,48 @@ TYPED_TEST(GemmTest, PackedReuseAndAgreement) {
           << what << ": packed product differs from the direct one";
     }
   }
+}
+
+// A Workspace kept across calls of different sizes (growing, then smaller again) gives the same bits as
+// a call's own scratch, on 1 and 2 threads.
+TYPED_TEST(GemmTest, WorkspaceReuse) {
+  using Scalar = TypeParam;
+  const gemm::Blocking& bl = gemm::blocking<Scalar>();
+  gemm::Workspace<Scalar> workspace;
+  const Shape sequence[] = {{5, 7, 3}, {150, 3 * bl.nr + 1, bl.kc + 9}, {1, 1, 1}, {37, 2 * bl.nr, 40}};
+  unsigned seed = 21;
+  for (const Shape& s : sequence) {
+    for (Op op : {Op::kNT, Op::kNN, Op::kNTBias}) {
+      for (const Eigen::ThreadPoolDevice* device :
+           {static_cast<const Eigen::ThreadPoolDevice*>(nullptr), two_threads()}) {
+        const Operands<Scalar> x(op, s, true, seed++, false);
+        std::vector<Scalar> own = x.c0, kept = x.c0;
+        switch (op) {
+          case Op::kNT:
+            gemm::gemm_nt(s.m, s.n, s.k, Scalar(2), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(0.5), own.data(),
+                          x.ldc, device);
+            gemm::gemm_nt(s.m, s.n, s.k, Scalar(2), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(0.5), kept.data(),
+                          x.ldc, device, &workspace);
+            break;
+          case Op::kNN:
+            gemm::gemm_nn(s.m, s.n, s.k, Scalar(2), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(0.5), own.data(),
+                          x.ldc, device);
+            gemm::gemm_nn(s.m, s.n, s.k, Scalar(2), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(0.5), kept.data(),
+                          x.ldc, device, &workspace);
+            break;
+          default:
+            gemm::gemm_nt_bias(s.m, s.n, s.k, x.a.data(), x.lda, x.b.data(), x.ldb, x.bias.data(), own.data(), x.ldc,
+                               device);
+            gemm::gemm_nt_bias(s.m, s.n, s.k, x.a.data(), x.lda, x.b.data(), x.ldb, x.bias.data(), kept.data(), x.ldc,
+                               device, &workspace);
+            break;
+        }
+        EXPECT_TRUE(std::memcmp(own.data(), kept.data(), own.size() * sizeof(Scalar)) == 0)
+            << op_name(op) << " m=" << s.m << ": the workspace changed the result";
+      }
+    }
+  }
+  EXPECT_GT(workspace.capacity(), std::size_t{0});
 }
 
 // multiply's bias epilogue, on 1 and 2 threads.

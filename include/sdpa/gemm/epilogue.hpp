@@ -38,7 +38,7 @@ struct Epilogue {
   Scalar beta;  // first block only; 0 means C is never read (it may hold NaN or be uninitialised)
   // First block only: bias[j] is added to every row's column j. Points at the tile's first column.
   const Scalar* bias;
-  bool first;   // false: C += alpha * acc
+  bool first;  // false: C += alpha * acc
 };
 
 }  // namespace detail

@@ -8,7 +8,9 @@
 //   gemm_nt:      C[m, n] = alpha * A[m, k] B[n, k]^T + beta * C
 //   gemm_nn:      C[m, n] = alpha * A[m, k] B[k, n]   + beta * C
 //   gemm_nt_bias: C[m, n] = A[m, k] W[n, k]^T + bias[n]   (bias added as the tiles are stored)
-// beta = 0 never reads C (it may be uninitialised or NaN); alpha = 0 or k = 0 never reads A or B.
+// beta = 0 never reads C (it may be uninitialised or NaN); alpha = 0 or k = 0 never reads A or B. Each
+// takes an optional device (nullptr: the calling thread) and an optional Workspace (workspace.hpp) that
+// keeps the packing scratch from one call to the next; a workspace serves one call at a time.
 #pragma once
 
 #include <Eigen/Core>
@@ -18,6 +20,7 @@
 #include "sdpa/gemm/kernel.hpp"
 #include "sdpa/gemm/loops.hpp"
 #include "sdpa/gemm/packed.hpp"
+#include "sdpa/gemm/workspace.hpp"
 #include "sdpa/parallel.hpp"
 
 namespace sdpa {
@@ -39,39 +42,41 @@ inline void check_operands(Eigen::Index m, Eigen::Index n, Eigen::Index k, Eigen
 template <typename Scalar>
 void gemm_nt(Eigen::Index m, Eigen::Index n, Eigen::Index k, detail::NoDeduceT<Scalar> alpha, const Scalar* a,
              Eigen::Index lda, const Scalar* b, Eigen::Index ldb, detail::NoDeduceT<Scalar> beta, Scalar* c,
-             Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr) {
+             Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr,
+             Workspace<Scalar>* workspace = nullptr) {
   detail::check_operands(m, n, k, lda, k, ldb, ldc);
   using K = detail::Kernel<Scalar>;
   const auto pack_b = [b, ldb](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
     K::pack_b_rows(cols, kcp, b + j0 * ldb + p0, ldb, dst);
   };
-  detail::gemm_loops<Scalar>(m, n, k, alpha, a, lda, pack_b, beta, nullptr, c, ldc, device);
+  detail::gemm_loops<Scalar>(m, n, k, alpha, a, lda, pack_b, beta, nullptr, c, ldc, device, workspace);
 }
 
 // C[m, n] (ldc) = alpha * A[m, k] (lda) * B[k, n] (ldb) + beta * C.
 template <typename Scalar>
 void gemm_nn(Eigen::Index m, Eigen::Index n, Eigen::Index k, detail::NoDeduceT<Scalar> alpha, const Scalar* a,
              Eigen::Index lda, const Scalar* b, Eigen::Index ldb, detail::NoDeduceT<Scalar> beta, Scalar* c,
-             Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr) {
+             Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr,
+             Workspace<Scalar>* workspace = nullptr) {
   detail::check_operands(m, n, k, lda, n, ldb, ldc);
   using K = detail::Kernel<Scalar>;
   const auto pack_b = [b, ldb](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
     K::pack_b_cols(cols, kcp, b + p0 * ldb + j0, ldb, dst);
   };
-  detail::gemm_loops<Scalar>(m, n, k, alpha, a, lda, pack_b, beta, nullptr, c, ldc, device);
+  detail::gemm_loops<Scalar>(m, n, k, alpha, a, lda, pack_b, beta, nullptr, c, ldc, device, workspace);
 }
 
 // The projection y = x W^T + b: C[m, n] (ldc) = A[m, k] (lda) * W[n, k]^T (ldw) + bias[n]. C is not read.
 template <typename Scalar>
 void gemm_nt_bias(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* w,
                   Eigen::Index ldw, detail::NoDeduceT<const Scalar*> bias, Scalar* c, Eigen::Index ldc,
-                  const Eigen::ThreadPoolDevice* device = nullptr) {
+                  const Eigen::ThreadPoolDevice* device = nullptr, Workspace<Scalar>* workspace = nullptr) {
   detail::check_operands(m, n, k, lda, k, ldw, ldc);
   using K = detail::Kernel<Scalar>;
   const auto pack_b = [w, ldw](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
     K::pack_b_rows(cols, kcp, w + j0 * ldw + p0, ldw, dst);
   };
-  detail::gemm_loops<Scalar>(m, n, k, Scalar(1), a, lda, pack_b, Scalar(0), bias, c, ldc, device);
+  detail::gemm_loops<Scalar>(m, n, k, Scalar(1), a, lda, pack_b, Scalar(0), bias, c, ldc, device, workspace);
 }
 
 }  // namespace SDPA_GEMM_ABI_NAMESPACE

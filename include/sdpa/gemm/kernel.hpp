@@ -76,8 +76,7 @@ struct Kernel {
   using Packed = PackedSliver<Scalar, mr>;
   using InPlace = RowsInPlace<Scalar>;
   template <typename ASource>
-  using TileFn = void (*)(Index, ASource, const Scalar*, Scalar*, Index, Index, const Epilogue<Scalar>&,
-                          const Scalar*);
+  using TileFn = void (*)(Index, ASource, const Scalar*, Scalar*, Index, Index, const Epilogue<Scalar>&, const Scalar*);
 
   template <typename ASource>
   static void row_of_tiles(TileFn<ASource> tile, Index kc, ASource a, Index cols, const Scalar* pb, Scalar* c,
@@ -159,8 +158,7 @@ template <typename Scalar>
 const Blocking& blocking() {
   using K = detail::Kernel<Scalar>;
   static const Blocking b = detail::compute_blocking(K::mr, K::nr, static_cast<Eigen::Index>(sizeof(Scalar)),
-                                                     Eigen::l1CacheSize(), Eigen::l2CacheSize(),
-                                                     Eigen::l3CacheSize());
+                                                     Eigen::l1CacheSize(), Eigen::l2CacheSize(), Eigen::l3CacheSize());
   return b;
 }
 

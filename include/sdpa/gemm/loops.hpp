@@ -17,11 +17,11 @@
 #include <atomic>
 #include <cstddef>
 
-#include "sdpa/detail/buffer.hpp"
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
 #include "sdpa/gemm/isa.hpp"
 #include "sdpa/gemm/kernel.hpp"
+#include "sdpa/gemm/workspace.hpp"
 #include "sdpa/parallel.hpp"
 
 namespace sdpa {
@@ -96,7 +96,7 @@ void scale_only(Eigen::Index m, Eigen::Index n, Scalar beta, const Scalar* bias,
 template <typename Scalar, typename PackB>
 void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
                 const PackB& pack_b, Scalar beta, const Scalar* bias, Scalar* c, Eigen::Index ldc,
-                const Eigen::ThreadPoolDevice* device) {
+                const Eigen::ThreadPoolDevice* device, Workspace<Scalar>* workspace) {
   using Index = Eigen::Index;
   using K = Kernel<Scalar>;
   if (m <= 0 || n <= 0) return;
@@ -110,15 +110,17 @@ void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, co
   const Index wanted = min_items<Scalar>(worker_count(device));
   const Split widest(mc, n, bl, wanted);
   const Index workers = std::min<Index>(worker_count(device), widest.count());
-  // One allocation per call: the shared A block, then one B block per worker, each starting on a cache
-  // line since the kernels load B with aligned loads. sdpa::detail::Buffer puts blocks of 2 MiB and more
-  // on huge pages: first-touch faults on 4 KiB pages cost fc_o a fifth of its time on this VM, where
-  // glibc maps a fresh block for every call (a request as large as the last one freed is mmap'ed again).
+  // The shared A block, then one B block per worker, each starting on a cache line since the kernels load
+  // B with aligned loads: in the caller's workspace, or one allocation for this call. sdpa::detail::Buffer
+  // puts blocks of 2 MiB and more on huge pages: first-touch faults on 4 KiB pages cost fc_o some 15% on
+  // this VM, where glibc maps a fresh block for every call (a request as large as the last one freed is
+  // mmap'ed again).
   constexpr Index line = 64 / static_cast<Index>(sizeof(Scalar));
   const Index a_size = round_up(round_up(mc, K::mr) * kc, line);
   const Index b_size = round_up(round_up(widest.n_step, K::nr) * kc, line);
-  sdpa::detail::Buffer<Scalar> buffer(static_cast<std::size_t>(a_size + workers * b_size));
-  Scalar* const a_block = buffer.data();
+  Workspace<Scalar> local;
+  Scalar* const a_block =
+      (workspace != nullptr ? workspace : &local)->reserve(static_cast<std::size_t>(a_size + workers * b_size));
 
   for (Index ic = 0; ic < m; ic += mc) {
     const Index rows = std::min(mc, m - ic);
@@ -135,7 +137,7 @@ void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, co
       std::atomic<Index> next{0};
       parallel_for(device, workers, 1, [&](Index w0, Index w1) {
         for (Index w = w0; w < w1; ++w) {
-          Scalar* const b_block = buffer.data() + a_size + w * b_size;
+          Scalar* const b_block = a_block + a_size + w * b_size;
           for (Index item = next.fetch_add(1, std::memory_order_relaxed); item < split.count();
                item = next.fetch_add(1, std::memory_order_relaxed)) {
             const Index i0 = item / split.n_items * split.m_step;

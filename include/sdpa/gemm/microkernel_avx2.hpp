@@ -122,8 +122,8 @@ struct Avx2Kernel {
   // (nr values per step, zero past cols); columns past cols are computed and not stored. a_next, when
   // not null, is the A sliver the next row of tiles will read.
   template <int Rows, typename ASource>
-  static void tile(Index kc, ASource a, const Scalar* b, Scalar* c, Index ldc, Index cols,
-                   const Epilogue<Scalar>& ep, const Scalar* a_next) noexcept {
+  static void tile(Index kc, ASource a, const Scalar* b, Scalar* c, Index ldc, Index cols, const Epilogue<Scalar>& ep,
+                   const Scalar* a_next) noexcept {
     Reg acc[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)];
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
@@ -157,7 +157,8 @@ struct Avx2Kernel {
   }
 
   template <int Rows>
-  static void store(Reg (&acc)[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)], Scalar* c, Index ldc, Index cols, const Epilogue<Scalar>& ep) noexcept {
+  static void store(Reg (&acc)[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)], Scalar* c, Index ldc,
+                    Index cols, const Epilogue<Scalar>& ep) noexcept {
     const Reg alpha = V::set1(ep.alpha);
     const Reg beta = V::set1(ep.beta);
     const bool read_c = !ep.first || ep.beta != Scalar(0);

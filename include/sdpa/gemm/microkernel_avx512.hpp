@@ -64,8 +64,10 @@ struct Avx512Vec<float> {
       u[i + 3] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0xEE);
     }
     for (int x = 0; x < 4; ++x) {
-      const Reg a = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0x88), b = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0x88);
-      const Reg c = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0xDD), d = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0xDD);
+      const Reg a = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0x88),
+                b = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0x88);
+      const Reg c = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0xDD),
+                d = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0xDD);
       r[x] = _mm512_maskz_shuffle_f32x4(kAll, a, b, 0x88);
       r[x + 8] = _mm512_maskz_shuffle_f32x4(kAll, a, b, 0xDD);
       r[x + 4] = _mm512_maskz_shuffle_f32x4(kAll, c, d, 0x88);
@@ -135,8 +137,8 @@ struct Avx512Kernel {
   // and dropped: masked stores, so that a ragged right edge costs no separate code path. a_next, when
   // not null, is the A sliver the next row of tiles will read.
   template <int Rows, typename ASource>
-  static void tile(Index kc, ASource a, const Scalar* b, Scalar* c, Index ldc, Index cols,
-                   const Epilogue<Scalar>& ep, const Scalar* a_next) noexcept {
+  static void tile(Index kc, ASource a, const Scalar* b, Scalar* c, Index ldc, Index cols, const Epilogue<Scalar>& ep,
+                   const Scalar* a_next) noexcept {
     Reg acc[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)];
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
@@ -170,7 +172,8 @@ struct Avx512Kernel {
   }
 
   template <int Rows>
-  static void store(Reg (&acc)[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)], Scalar* c, Index ldc, Index cols, const Epilogue<Scalar>& ep) noexcept {
+  static void store(Reg (&acc)[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)], Scalar* c, Index ldc,
+                    Index cols, const Epilogue<Scalar>& ep) noexcept {
     const Reg alpha = V::set1(ep.alpha);
     const Reg beta = V::set1(ep.beta);
     const bool read_c = !ep.first || ep.beta != Scalar(0);

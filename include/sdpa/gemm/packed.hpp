@@ -64,7 +64,8 @@ class PackedStorage {
     depth_ = depth;
     const Eigen::Index kc = blocking<Scalar>().kc;
     const Eigen::Index padded = round_up(lines, width);
-    for (Eigen::Index p0 = 0; p0 < depth; p0 += kc) pack_block(std::min(kc, depth - p0), p0, storage_.data() + p0 * padded);
+    for (Eigen::Index p0 = 0; p0 < depth; p0 += kc)
+      pack_block(std::min(kc, depth - p0), p0, storage_.data() + p0 * padded);
   }
   Eigen::Index lines() const noexcept { return lines_; }
   Eigen::Index depth() const noexcept { return depth_; }
@@ -141,8 +142,8 @@ class PackedB {
 // m = a.rows(), n = b.cols() and a.depth() == b.depth().
 template <typename Scalar>
 void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDeduceT<Scalar> alpha,
-              detail::NoDeduceT<Scalar> beta, Scalar* c, Eigen::Index ldc, detail::NoDeduceT<const Scalar*> bias = nullptr,
-              const Eigen::ThreadPoolDevice* device = nullptr) {
+              detail::NoDeduceT<Scalar> beta, Scalar* c, Eigen::Index ldc,
+              detail::NoDeduceT<const Scalar*> bias = nullptr, const Eigen::ThreadPoolDevice* device = nullptr) {
   using Index = Eigen::Index;
   using K = detail::Kernel<Scalar>;
   eigen_assert(a.depth() == b.depth() && "sdpa::gemm::multiply: the packed operands' depths differ");
