@@ -15,8 +15,11 @@
 
 #include "sdpa/detail/buffer.hpp"
 #include "sdpa/detail/inputs.hpp"
+#include "sdpa/forward_state.hpp"
+#include "sdpa/gradients.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
+#include "sdpa/kernels/backward.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/projection.hpp"
 #include "sdpa/kernels/reference.hpp"
@@ -37,6 +40,14 @@ enum class Kernel { kAuto, kTiled, kReference };
 template <typename Scalar>
 class KVCache;  // sdpa/kv_cache.hpp
 
+namespace detail {
+// A process-wide unique id per module object, so that backward can tell its own ForwardStates.
+inline std::uint64_t next_module_id() noexcept {
+  static std::atomic<std::uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+}  // namespace detail
+
 template <typename Scalar>
 class ScaledDotProductAttention {
   static_assert(std::is_floating_point<Scalar>::value,
@@ -56,6 +67,7 @@ class ScaledDotProductAttention {
         h_(checked_size("h", h)),
         dropout_(checked_dropout(dropout)),
         seed_(next_seed()),
+        id_(detail::next_module_id()),
         fc_q_(d_model, checked_product("d_model * h * d_k (weight count of fc_q)", d_model,
                                        checked_product("h * d_k", h, d_k)) / d_model),
         fc_k_(d_model, h * d_k),
@@ -71,7 +83,7 @@ class ScaledDotProductAttention {
   ScaledDotProductAttention(const ScaledDotProductAttention& other)
       : d_model_(other.d_model_), d_k_(other.d_k_), d_v_(other.d_v_), h_(other.h_), dropout_(other.dropout_),
         training_(other.training_), masked_rows_(other.masked_rows_), kernel_(other.kernel_),
-        seed_(next_seed()), calls_(0),
+        seed_(next_seed()), calls_(0), id_(detail::next_module_id()),
         fc_q_(other.fc_q_), fc_k_(other.fc_k_), fc_v_(other.fc_v_), fc_o_(other.fc_o_) {}
   ScaledDotProductAttention& operator=(const ScaledDotProductAttention& other) {
     if (this != &other) {
@@ -83,7 +95,7 @@ class ScaledDotProductAttention {
   // A move keeps the seed and the dropout call count: it is the same module in a new place. It draws
   // nothing from the process-wide sequence.
   ScaledDotProductAttention(ScaledDotProductAttention&& other) noexcept
-      : d_model_(1), d_k_(1), d_v_(1), h_(1), dropout_(0), seed_(0),
+      : d_model_(1), d_k_(1), d_v_(1), h_(1), dropout_(0), seed_(0), id_(0),
         fc_q_(1, 1), fc_k_(1, 1), fc_v_(1, 1), fc_o_(1, 1) {
     swap(other);
   }
@@ -131,6 +143,35 @@ class ScaledDotProductAttention {
   template <typename Q, typename K, typename V>
   Tensor3 operator()(const Q& queries, const K& keys, const V& values, const AttentionOptions<Scalar>& options) const {
     return forward(queries, keys, values, options);
+  }
+
+  // ---- Training ----
+
+  // The forward, keeping in `state` what backward needs (sdpa/forward_state.hpp: O(N) memory, never the
+  // probabilities). The tensors the options point to (mask, weights, bias) and the device must outlive
+  // the backward call; `probabilities` is filled as usual.
+  template <typename Q, typename K, typename V>
+  Tensor3 forward(const Q& queries, const K& keys, const V& values, const AttentionOptions<Scalar>& options,
+                  ForwardState<Scalar>& state) const {
+    SDPA_DETAIL_CHECK_INPUT(Q, Scalar);
+    SDPA_DETAIL_CHECK_INPUT(K, Scalar);
+    SDPA_DETAIL_CHECK_INPUT(V, Scalar);
+    if constexpr (detail::is_valid_input<Q, Scalar>() && detail::is_valid_input<K, Scalar>() &&
+                  detail::is_valid_input<V, Scalar>()) {
+      const detail::Inputs<Scalar> in(queries, keys, values);
+      return forward_impl(in.q(), in.k(), in.v(), options, &state);
+    } else {
+      return Tensor3();
+    }
+  }
+
+  // d loss / d everything, given grad_output = d loss / d (the forward's output) and that forward's state:
+  // FlashAttention 2's backward (the probabilities recomputed from each row's log-sum-exp, the dropout
+  // replayed), then the projections'. The same bits on any number of threads. The state can be used again
+  // (it is not consumed), but only with this module, and the module's parameters must not have changed
+  // since its forward. q = k = v: the input's gradient is queries + keys + values.
+  Gradients<Scalar> backward(const Tensor3& grad_output, const ForwardState<Scalar>& state) const {
+    return backward_impl(grad_output, state);
   }
 
   // The original module's signature: an optional bool mask (true = masked) and multiplicative weights, each
@@ -276,6 +317,7 @@ class ScaledDotProductAttention {
     swap(masked_rows_, other.masked_rows_);
     swap(kernel_, other.kernel_);
     swap(seed_, other.seed_);
+    swap(id_, other.id_);
     const std::uint64_t calls = calls_.load();
     calls_.store(other.calls_.load());
     other.calls_.store(calls);
@@ -463,7 +505,8 @@ class ScaledDotProductAttention {
     }
   }
 
-  Tensor3 forward_impl(const View& qv, const View& kv, const View& vv, const AttentionOptions<Scalar>& options) const {
+  Tensor3 forward_impl(const View& qv, const View& kv, const View& vv, const AttentionOptions<Scalar>& options,
+                       ForwardState<Scalar>* capture = nullptr) const {
     check_inputs(qv, kv, vv);
     const Index batch = qv.dims()[0], nq = qv.dims()[1], nk = kv.dims()[1];
     const std::array<Index, 4> full{batch, h_, nq, nk};
@@ -478,6 +521,7 @@ class ScaledDotProductAttention {
     // Checked: from here on nothing throws but an allocation failure.
     if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, nk);
     Tensor3 result(batch, nq, d_model_);
+    if (capture != nullptr) start_capture(*capture, qv, kv, vv, options);
     if (result.size() == 0) return result;
 
     const Index hv = h_ * d_v_;
@@ -508,13 +552,202 @@ class ScaledDotProductAttention {
       p.sampler = DropoutSampler(seed_, calls_.fetch_add(1), static_cast<double>(dropout_));
       p.keep_scale = dropout_ >= Scalar(1) ? Scalar(0) : Scalar(1) / (Scalar(1) - dropout_);
     }
+    if (capture != nullptr) {
+      capture->lse_.resize(static_cast<std::size_t>(batch * h_ * nq));
+      p.lse = capture->lse_.data();
+      capture->dropout_ = p.dropout;
+      capture->sampler_ = p.sampler;
+      capture->keep_scale_ = p.keep_scale;
+    }
     if (kernel_ == Kernel::kReference)
       kernels::reference_attention(p, device);
     else
       kernels::tiled_attention(p, device);
 
     fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
+    if (capture != nullptr) {
+      capture->qkv_ = std::move(proj.qkv);
+      capture->kv_ = std::move(proj.kv_only);
+      capture->q_ = proj.q;
+      capture->k_ = proj.k;
+      capture->v_ = proj.v;
+      capture->ldq_ = proj.ldq;
+      capture->ldk_ = proj.ldk;
+      capture->ldv_ = proj.ldv;
+      capture->att_ = std::move(att);
+    }
     return result;
+  }
+
+  // A fresh state for this call: the module, the shapes, copies of the distinct inputs and the options.
+  void start_capture(ForwardState<Scalar>& s, const View& qv, const View& kv, const View& vv,
+                     const AttentionOptions<Scalar>& options) const {
+    s = ForwardState<Scalar>();
+    s.module_id_ = id_;
+    s.batch_ = qv.dims()[0];
+    s.nq_ = qv.dims()[1];
+    s.nk_ = kv.dims()[1];
+    s.kv_same_ = kv.data() == vv.data() && kv.dims() == vv.dims();
+    s.qk_same_ = s.kv_same_ && qv.data() == kv.data() && qv.dims() == kv.dims();
+    auto copy = [](const View& v) {
+      Tensor3 t(v.dims()[0], v.dims()[1], v.dims()[2]);
+      if (t.size() > 0) std::copy_n(v.data(), t.size(), t.data());
+      return t;
+    };
+    s.queries_ = copy(qv);
+    if (!s.qk_same_) s.keys_ = copy(kv);
+    if (!s.kv_same_) s.values_ = copy(vv);
+    s.options_ = options;
+    s.options_.probabilities = nullptr;
+  }
+
+  // y = x W^T + b over `rows`: dW (out, in) = dY^T X, db = the column sums of dY, dX = dY W. Fixed blocks
+  // of rows and of output features (not the thread count) decide each product's shape, so the result is
+  // the same on any number of threads.
+  void linear_backward(const LinearType& layer, const Scalar* dy, Index ldy, const Scalar* x, Index rows,
+                       LinearGradients<Scalar>& g, Scalar* dx, const Eigen::ThreadPoolDevice* device) const {
+    using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using ConstMap = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+    using Map = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+    const Index in = layer.in_features(), out = layer.out_features();
+    g.weight = Eigen::Tensor<Scalar, 2, Eigen::RowMajor>(out, in);
+    g.bias = Eigen::Tensor<Scalar, 1, Eigen::RowMajor>(out);
+    const ConstMap dY(dy, rows, out, Eigen::OuterStride<>(ldy)), X(x, rows, in, Eigen::OuterStride<>(in));
+    const ConstMap W(layer.weight().data(), out, in, Eigen::OuterStride<>(in));
+    constexpr Index kFeatureBlock = 64, kRowBlock = 256;
+    const Index feature_blocks = (out + kFeatureBlock - 1) / kFeatureBlock;
+    parallel_for(device, feature_blocks, 1, [&](Index f0, Index f1) {
+      for (Index f = f0; f < f1; ++f) {
+        const Index o0 = f * kFeatureBlock, n = std::min(kFeatureBlock, out - o0);
+        Map dW(g.weight.data() + o0 * in, n, in, Eigen::OuterStride<>(in));
+        dW.noalias() = dY.middleCols(o0, n).transpose() * X;
+        for (Index o = o0; o < o0 + n; ++o) g.bias(o) = dY.col(o).sum();
+      }
+    });
+    if (dx == nullptr) return;
+    const Index row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+    parallel_for(device, row_blocks, 1, [&](Index b0, Index b1) {
+      for (Index b = b0; b < b1; ++b) {
+        const Index r0 = b * kRowBlock, n = std::min(kRowBlock, rows - r0);
+        Map dX(dx + r0 * in, n, in, Eigen::OuterStride<>(in));
+        dX.noalias() = dY.middleRows(r0, n) * W;
+      }
+    });
+  }
+
+  Gradients<Scalar> backward_impl(const Tensor3& grad_output, const ForwardState<Scalar>& s) const {
+    const char* where = "ScaledDotProductAttention::backward";
+    if (s.empty())
+      throw std::logic_error(std::string("sdpa::") + where +
+                             ": the state is empty: pass the state that forward(queries, keys, values, options, state) filled");
+    if (s.module_id_ != id_)
+      detail::throw_invalid(where, "state", "the state of a forward call of this module", "the state of another module");
+    const Index batch = s.batch_, nq = s.nq_, nk = s.nk_, hk = h_ * d_k_, hv = h_ * d_v_;
+    const std::array<Index, 3> want{batch, nq, d_model_};
+    for (std::size_t i = 0; i < 3; ++i)
+      if (grad_output.dimension(i) != want[i])
+        detail::throw_invalid(where, "grad_output", detail::concat("of the forward's output shape ", detail::shape_string(want)),
+                              detail::concat("of shape ", detail::shape_string(grad_output.dimensions())));
+    const AttentionOptions<Scalar>& options = s.options_;
+    const std::array<Index, 4> full{batch, h_, nq, nk};
+    kernels::AttentionProblem<Scalar> p;
+    // The tensors must still have the shapes they had in the forward.
+    p.mask = make_broadcast_view(options.attention_mask, full, where, "attention_mask");
+    p.weights = make_broadcast_view(options.attention_weights, full, where, "attention_weights");
+    p.bias = make_broadcast_view(options.attention_bias, full, where, "attention_bias");
+    const Eigen::ThreadPoolDevice* device = options.device;
+
+    Gradients<Scalar> g;
+    const Tensor3& xq = s.queries_;
+    const Tensor3& xk = s.qk_same_ ? s.queries_ : s.keys_;
+    const Tensor3& xv = s.kv_same_ ? xk : s.values_;
+    g.queries = Tensor3(batch, nq, d_model_);
+    g.keys = Tensor3(batch, nk, d_model_);
+    g.values = Tensor3(batch, nk, d_model_);
+    if (options.attention_weights != nullptr) g.attention_weights = Weights(options.attention_weights->dimensions());
+    if (options.attention_bias != nullptr) g.attention_bias = Weights(options.attention_bias->dimensions());
+    const Index rows_q = batch * nq, rows_k = batch * nk;
+    if (rows_q == 0 || rows_k == 0) {
+      // No output, or no keys (zero attention): only fc_o's bias has a say.
+      g.queries.setZero();
+      g.keys.setZero();
+      g.values.setZero();
+      if (g.attention_weights.size() > 0) g.attention_weights.setZero();
+      if (g.attention_bias.size() > 0) g.attention_bias.setZero();
+      auto zero_linear = [](const LinearType& layer, LinearGradients<Scalar>& lg) {
+        lg.weight = Eigen::Tensor<Scalar, 2, Eigen::RowMajor>(layer.out_features(), layer.in_features());
+        lg.weight.setZero();
+        lg.bias = Eigen::Tensor<Scalar, 1, Eigen::RowMajor>(layer.out_features());
+        lg.bias.setZero();
+      };
+      zero_linear(fc_q_, g.fc_q);
+      zero_linear(fc_k_, g.fc_k);
+      zero_linear(fc_v_, g.fc_v);
+      zero_linear(fc_o_, g.fc_o);
+      if (rows_q > 0) {
+        // nk == 0: the attention output is zero, so fc_o's output is its bias.
+        for (Index o = 0; o < d_model_; ++o) {
+          Scalar sum = 0;
+          for (Index r = 0; r < rows_q; ++r) sum += grad_output.data()[r * d_model_ + o];
+          g.fc_o.bias(o) = sum;
+        }
+      }
+      return g;
+    }
+
+    // fc_o: d att = dY W_o; dW_o = dY^T att; db_o.
+    detail::Buffer<Scalar> d_att(static_cast<std::size_t>(rows_q * hv));
+    linear_backward(fc_o_, grad_output.data(), d_model_, s.att_.data(), rows_q, g.fc_o, d_att.data(), device);
+
+    // The attention core.
+    p.batch = batch;
+    p.heads = h_;
+    p.nq = nq;
+    p.nk = nk;
+    p.d_k = d_k_;
+    p.d_v = d_v_;
+    p.q = {s.q_, nq * s.ldq_, s.ldq_, d_k_};
+    p.k = {s.k_, nk * s.ldk_, s.ldk_, d_k_};
+    p.v = {s.v_, nk * s.ldv_, s.ldv_, d_v_};
+    p.out = {const_cast<Scalar*>(s.att_.data()), nq * hv, hv, d_v_};
+    p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
+    p.causal = options.causal;
+    p.window_left = options.window_left;
+    p.window_right = options.window_right;
+    p.key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
+    p.alibi = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
+    p.query_offset = nk - nq;
+    p.masked_rows = masked_rows_;
+    p.lse = const_cast<Scalar*>(s.lse_.data());
+    p.dropout = s.dropout_;
+    p.sampler = s.sampler_;
+    p.keep_scale = s.keep_scale_;
+    detail::Buffer<Scalar> dq(static_cast<std::size_t>(rows_q * hk)), dk(static_cast<std::size_t>(rows_k * hk)),
+        dv(static_cast<std::size_t>(rows_k * hv));
+    kernels::BackwardProblem<Scalar> bp;
+    bp.forward = &p;
+    bp.d_out = {d_att.data(), nq * hv, hv, d_v_};
+    bp.d_q = {dq.data(), nq * hk, hk, d_k_};
+    bp.d_k = {dk.data(), nk * hk, hk, d_k_};
+    bp.d_v = {dv.data(), nk * hv, hv, d_v_};
+    if (p.weights) {
+      bp.d_weights = g.attention_weights.data();
+      for (std::size_t i = 0; i < 4; ++i) bp.weights_dims[i] = g.attention_weights.dimension(i);
+    }
+    if (p.bias) {
+      bp.d_bias = g.attention_bias.data();
+      for (std::size_t i = 0; i < 4; ++i) bp.bias_dims[i] = g.attention_bias.dimension(i);
+    }
+    if (kernel_ == Kernel::kReference)
+      kernels::reference_backward(bp, device);
+    else
+      kernels::tiled_backward(bp, device);
+
+    // The projections.
+    linear_backward(fc_q_, dq.data(), hk, xq.data(), rows_q, g.fc_q, g.queries.data(), device);
+    linear_backward(fc_k_, dk.data(), hk, xk.data(), rows_k, g.fc_k, g.keys.data(), device);
+    linear_backward(fc_v_, dv.data(), hv, xv.data(), rows_k, g.fc_v, g.values.data(), device);
+    return g;
   }
 
   // ---- decoding internals ----
@@ -714,6 +947,7 @@ class ScaledDotProductAttention {
   Kernel kernel_ = Kernel::kAuto;
   std::uint64_t seed_;
   mutable std::atomic<std::uint64_t> calls_{0};
+  std::uint64_t id_;  // which module a ForwardState came from (copies get their own, moves keep it)
   LinearType fc_q_, fc_k_, fc_v_, fc_o_;
 };
 
