@@ -20,6 +20,7 @@
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/backward.hpp"
+#include "sdpa/kernels/decode.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/projection.hpp"
 #include "sdpa/kernels/reference.hpp"
