@@ -32,6 +32,28 @@ struct RowsInPlace {
   void step() noexcept { ++a; }
 };
 
+// Lines a micro-kernel brings to L2 while it runs, one per k step: the next packed A sliver (width
+// values from base), 64 bytes at a time. width = 0 prefetches nothing.
+template <typename Scalar>
+struct LinePrefetch {
+  static constexpr Eigen::Index kLine = 64 / static_cast<Eigen::Index>(sizeof(Scalar));
+  const Scalar* base = nullptr;
+  Eigen::Index width = 0;
+  Eigen::Index done = 0;
+  // The line to fetch at this step, or null once all are.
+  const Scalar* next() noexcept {
+    if (done >= width) return nullptr;
+    const Scalar* line = base + done;
+    done += kLine;
+    return line;
+  }
+};
+
+// For tiles whose next A is not worth fetching (A in place, which the caller has just written).
+struct NoPrefetch {
+  static constexpr const void* next() noexcept { return nullptr; }
+};
+
 template <typename Scalar>
 struct Epilogue {
   Scalar alpha;

@@ -56,9 +56,9 @@ struct Kernel {
                     const Epilogue<Scalar>& ep) noexcept {
     for (Index i = 0; i < rows; i += mr) {
       // The first tile of a row prefetches the next row's A sliver: one sliver's worth of tiles ahead.
-      const Scalar* a_next = i + mr < rows ? pa + mr * kc : nullptr;
-      row_of_tiles(tiles<Packed>()[static_cast<std::size_t>(std::min(mr, rows - i) - 1)], kc, Packed{pa}, cols, pb,
-                   c + i * ldc, ldc, ep, a_next);
+      Prefetch next_a;
+      if (i + mr < rows) next_a = Prefetch{pa + mr * kc, mr * kc};
+      row_of_tiles(kc, std::min(mr, rows - i), Packed{pa}, cols, pb, c + i * ldc, ldc, ep, next_a);
       pa += mr * kc;
     }
   }
@@ -67,36 +67,38 @@ struct Kernel {
   static void block_in_place(Index kc, Index rows, Index cols, const Scalar* a, Index lda, const Scalar* pb, Scalar* c,
                              Index ldc, const Epilogue<Scalar>& ep) noexcept {
     for (Index i = 0; i < rows; i += mr) {
-      row_of_tiles(tiles<InPlace>()[static_cast<std::size_t>(std::min(mr, rows - i) - 1)], kc,
-                   InPlace{a + i * lda, lda}, cols, pb, c + i * ldc, ldc, ep, nullptr);
+      row_of_tiles(kc, std::min(mr, rows - i), InPlace{a + i * lda, lda}, cols, pb, c + i * ldc, ldc, ep, NoPrefetch{});
     }
   }
 
  private:
   using Packed = PackedSliver<Scalar, mr>;
   using InPlace = RowsInPlace<Scalar>;
-  template <typename ASource>
-  using TileFn = void (*)(Index, ASource, const Scalar*, Scalar*, Index, Index, const Epilogue<Scalar>&, const Scalar*);
+  using Prefetch = LinePrefetch<Scalar>;
+  template <typename ASource, typename P>
+  using TileFn = void (*)(Index, ASource, const Scalar*, Scalar*, Index, Index, const Epilogue<Scalar>&, P);
 
-  template <typename ASource>
-  static void row_of_tiles(TileFn<ASource> tile, Index kc, ASource a, Index cols, const Scalar* pb, Scalar* c,
-                           Index ldc, const Epilogue<Scalar>& ep, const Scalar* a_next) noexcept {
+  // One row of tiles; only the first prefetches, so that the next sliver arrives one row of tiles ahead.
+  template <typename ASource, typename P>
+  static void row_of_tiles(Index kc, Index rows, ASource a, Index cols, const Scalar* pb, Scalar* c, Index ldc,
+                           const Epilogue<Scalar>& ep, P next_a) noexcept {
+    const TileFn<ASource, P> tile = tiles<ASource, P>()[static_cast<std::size_t>(rows - 1)];
     Epilogue<Scalar> e = ep;
     for (Index j = 0; j < cols; j += nr) {
       e.bias = ep.bias != nullptr ? ep.bias + j : nullptr;
-      tile(kc, a, pb + j * kc, c + j, ldc, std::min(nr, cols - j), e, j == 0 ? a_next : nullptr);
+      tile(kc, a, pb + j * kc, c + j, ldc, std::min(nr, cols - j), e, j == 0 ? next_a : P{});
     }
   }
 
-  template <typename ASource, std::size_t... R>
-  static constexpr std::array<TileFn<ASource>, sizeof...(R)> make_tiles(std::index_sequence<R...>) noexcept {
-    return {{&Micro::template tile<static_cast<int>(R) + 1, ASource>...}};
+  template <typename ASource, typename P, std::size_t... R>
+  static constexpr std::array<TileFn<ASource, P>, sizeof...(R)> make_tiles(std::index_sequence<R...>) noexcept {
+    return {{&Micro::template tile<static_cast<int>(R) + 1, ASource, P>...}};
   }
   // tiles()[r - 1] computes r rows: the bottom edge runs as many accumulator chains as it has rows.
-  template <typename ASource>
-  static const std::array<TileFn<ASource>, static_cast<std::size_t>(mr)>& tiles() noexcept {
-    static constexpr std::array<TileFn<ASource>, static_cast<std::size_t>(mr)> table =
-        make_tiles<ASource>(std::make_index_sequence<static_cast<std::size_t>(mr)>{});
+  template <typename ASource, typename P>
+  static const std::array<TileFn<ASource, P>, static_cast<std::size_t>(mr)>& tiles() noexcept {
+    static constexpr std::array<TileFn<ASource, P>, static_cast<std::size_t>(mr)> table =
+        make_tiles<ASource, P>(std::make_index_sequence<static_cast<std::size_t>(mr)>{});
     return table;
   }
 };

@@ -56,41 +56,64 @@ void pack_cols(Eigen::Index count, Eigen::Index depth, const Scalar* src, Eigen:
   }
 }
 
+// One group of a sliver's lines for pack_rows_simd: lines [G, G + lanes) of the sliver at src (leading
+// dimension ld, `lines` of them real), all steps, into dst (the sliver's packed start). The common case (all
+// lanes real, whole width steps) has constant trip counts, so the width registers of the transpose stay
+// in registers; the edges (past count, past depth) take the general loop.
+template <Eigen::Index W, typename V, Eigen::Index G, typename Scalar>
+void pack_rows_group(Eigen::Index lines, Eigen::Index depth, const Scalar* src, Eigen::Index ld, Scalar* dst) noexcept {
+  using Index = Eigen::Index;
+  using Reg = typename V::Reg;
+  constexpr Index width = V::width;
+  constexpr Index lanes = std::min(width, W - G);
+  const auto lane_mask = V::mask(lanes);
+  const Index group_lines = std::clamp<Index>(lines - G, 0, lanes);
+  const Scalar* group = src + (group_lines > 0 ? G * ld : 0);
+  for (Index p0 = 0; p0 < depth; p0 += width) {
+    const Index steps = std::min(width, depth - p0);
+    Scalar* out = dst + p0 * W + G;
+    if (group_lines == lanes && steps == width) {
+      // Its own array: the edge loop's variable indices would keep a shared one in memory.
+      Reg r[static_cast<std::size_t>(width)];
+#pragma GCC unroll 16
+      for (Index i = 0; i < lanes; ++i) r[i] = V::loadu(group + i * ld + p0);
+#pragma GCC unroll 16
+      for (Index i = lanes; i < width; ++i) r[i] = V::zero();
+      V::transpose(r);
+      if constexpr (lanes == width) {
+#pragma GCC unroll 16
+        for (Index q = 0; q < width; ++q) V::storeu(out + q * W, r[q]);
+      } else if constexpr (W < width) {
+        // A sliver narrower than a vector (12 floats in 16 lanes): whole-vector stores in step order, the
+        // extra lanes landing on the next step's values, which the next store writes again. Masked stores
+        // cost more where they miss in cache; only the last one stays masked.
+#pragma GCC unroll 16
+        for (Index q = 0; q + 1 < width; ++q) V::storeu(out + q * W, r[q]);
+        V::storeu(out + (width - 1) * W, lane_mask, r[width - 1]);
+      } else {
+#pragma GCC unroll 16
+        for (Index q = 0; q < width; ++q) V::storeu(out + q * W, lane_mask, r[q]);
+      }
+      continue;
+    }
+    // Lines past count are zeros, and no pointer to them is formed.
+    Reg r[static_cast<std::size_t>(width)];
+    const auto step_mask = V::mask(steps);
+    for (Index i = 0; i < group_lines; ++i) r[i] = V::loadu(group + i * ld + p0, step_mask);
+    for (Index i = group_lines; i < width; ++i) r[i] = V::zero();
+    V::transpose(r);
+    for (Index q = 0; q < steps; ++q) V::storeu(out + q * W, lane_mask, r[q]);
+  }
+  if constexpr (G + width < W) pack_rows_group<W, V, G + width>(lines, depth, src, ld, dst);
+}
+
 // pack_rows with width x width register transposes: each group of `width` lines of a sliver is loaded
 // `width` steps at a time (masked past depth, zero past count), transposed, and stored as `width` steps of
 // min(width, W - group) values.
 template <Eigen::Index W, typename V, typename Scalar>
 void pack_rows_simd(Eigen::Index count, Eigen::Index depth, const Scalar* src, Eigen::Index ld, Scalar* dst) noexcept {
-  using Index = Eigen::Index;
-  constexpr Index width = V::width;
-  using Reg = typename V::Reg;
-  for (Index s = 0; s < count; s += W) {
-    const Index lines = std::min(W, count - s);
-    for (Index g = 0; g < W; g += width) {
-      const Index group_lines = std::clamp<Index>(lines - g, 0, width);
-      const Index lanes = std::min(width, W - g);
-      const auto lane_mask = V::mask(lanes);
-      for (Index p0 = 0; p0 < depth; p0 += width) {
-        const Index steps = std::min(width, depth - p0);
-        const auto step_mask = V::mask(steps);
-        Reg r[static_cast<std::size_t>(width)];
-        // Lines past count are zeros, and no pointer to them is formed.
-        const Scalar* first = src + p0;
-        if (steps == width) {
-          for (Index i = 0; i < group_lines; ++i) r[i] = V::loadu(first + (s + g + i) * ld);
-        } else {
-          for (Index i = 0; i < group_lines; ++i) r[i] = V::loadu(first + (s + g + i) * ld, step_mask);
-        }
-        for (Index i = group_lines; i < width; ++i) r[i] = V::zero();
-        V::transpose(r);
-        Scalar* out = dst + p0 * W + g;
-        if (lanes == width) {
-          for (Index q = 0; q < steps; ++q) V::storeu(out + q * W, r[q]);
-        } else {
-          for (Index q = 0; q < steps; ++q) V::storeu(out + q * W, lane_mask, r[q]);
-        }
-      }
-    }
+  for (Eigen::Index s = 0; s < count; s += W) {
+    pack_rows_group<W, V, 0>(std::min(W, count - s), depth, src + s * ld, ld, dst);
     dst += depth * W;
   }
 }
