@@ -44,11 +44,7 @@ class Linear {
   // (elements between consecutive rows), so that callers can write into a slice of a wider buffer.
   void forward_rows(const Scalar* x, Index rows, Index ldx, Scalar* y, Index ldy,
                     const Eigen::ThreadPoolDevice* device = nullptr) const {
-    const Index in = in_features(), out = out_features();
-    // Chunks of at least 64 rows keep each GEMM large enough to run at full speed.
-    parallel_for(device, rows, std::max<Index>(64, balanced_grain(device, rows, 1)), [&](Index r0, Index r1) {
-      kernels::gemm_bias_rows(x + r0 * ldx, r1 - r0, in, ldx, weight_.data(), out, bias_.data(), y + r0 * ldy, ldy);
-    });
+    kernels::gemm_bias_rows(x, rows, in_features(), ldx, weight_.data(), out_features(), bias_.data(), y, ldy, device);
   }
 
   // Applies the layer to the last dimension of a row-major tensor of any rank (PyTorch's broadcasting

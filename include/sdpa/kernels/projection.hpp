@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "sdpa/gemm/gemm.hpp"
 #include "sdpa/parallel.hpp"
 
 #ifdef SDPA_USE_ONEDNN
@@ -48,19 +49,19 @@ void gemm_nn_add(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a
   cs.noalias() += as * bs;
 }
 
-// y[rows, out] (leading dimension ldy) = x[rows, in] (ldx) * w[out, in]^T + b[out], on this thread.
+// y[rows, out] (leading dimension ldy) = x[rows, in] (ldx) * w[out, in]^T + b[out]: sdpa::gemm's
+// register-blocked kernels (Eigen's products where the target ISA has none), split over the device's
+// threads by blocks of y, never of the sum, so any number of threads gives the same bits.
 template <typename Scalar>
 void gemm_bias_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const Scalar* w,
-                    Eigen::Index out, const Scalar* b, Scalar* y, Eigen::Index ldy) {
-  using Stride = Eigen::OuterStride<>;
-  gemm_nt(rows, out, in, Scalar(1), x, ldx, w, in, y, ldy);
-  Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, Eigen::Unaligned, Stride>(
-      y, rows, out, Stride(ldy))
-      .rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(b, out);
+                    Eigen::Index out, const Scalar* b, Scalar* y, Eigen::Index ldy,
+                    const Eigen::ThreadPoolDevice* device = nullptr) {
+  gemm::gemm_nt_bias<Scalar>(rows, out, in, x, ldx, w, in, b, y, ldy, device);
 }
 
 #ifdef SDPA_USE_ONEDNN
-inline void gemm_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const float* w,
+// oneDNN's sgemm on row blocks of at least 64 rows, one block per worker (the opt-in sdpa::onednn backend).
+inline void dnnl_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const float* w,
                            Eigen::Index out, const float* b, float* y, Eigen::Index ldy) {
   if (rows == 0) return;
   for (Eigen::Index r = 0; r < rows; ++r) std::copy(b, b + out, y + r * ldy);
@@ -69,6 +70,15 @@ inline void gemm_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, E
   omp_set_num_threads(1);
   dnnl_sgemm('N', 'T', rows, out, in, 1.0f, x, ldx, w, in, 1.0f, y, ldy);
   omp_set_num_threads(threads);
+}
+
+inline void gemm_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const float* w,
+                           Eigen::Index out, const float* b, float* y, Eigen::Index ldy,
+                           const Eigen::ThreadPoolDevice* device = nullptr) {
+  const Eigen::Index grain = std::max<Eigen::Index>(64, balanced_grain(device, rows, 1));
+  parallel_for(device, rows, grain, [&](Eigen::Index r0, Eigen::Index r1) {
+    dnnl_bias_rows(x + r0 * ldx, r1 - r0, in, ldx, w, out, b, y + r0 * ldy, ldy);
+  });
 }
 #endif
 
@@ -90,18 +100,12 @@ struct ProjectionTarget {
   }
 };
 
-// Applies every target to the same input rows in one pass over row blocks, so each block of x is read
-// from memory once and reused from cache by all layers (the fused QKV projection).
+// Applies every target to the same input rows (the fused QKV projection: one call per layer, each split
+// over the device's threads).
 template <typename Scalar>
 void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std::vector<ProjectionTarget<Scalar>>& targets,
                   const Eigen::ThreadPoolDevice* device) {
-  // Blocks of at least 64 rows keep each product large enough for the GEMM to run at full speed; with
-  // a device, one block per worker keeps the packed weights hot in each core's cache.
-  const Eigen::Index grain = std::max<Eigen::Index>(64, balanced_grain(device, rows, 1));
-  parallel_for(device, rows, grain, [&](Eigen::Index r0, Eigen::Index r1) {
-    for (const auto& t : targets)
-      gemm_bias_rows(x + r0 * in, r1 - r0, in, in, t.weight, t.out, t.bias, t.y + r0 * t.ldy, t.ldy);
-  });
+  for (const auto& t : targets) gemm_bias_rows(x, rows, in, in, t.weight, t.out, t.bias, t.y, t.ldy, device);
 }
 
 // The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
