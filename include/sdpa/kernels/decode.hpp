@@ -37,14 +37,17 @@ template <typename Scalar>
 struct DecodeWorkspace {
   std::vector<SoftmaxRow<Scalar>> states;  // per (item, head, query)
   sdpa::detail::Buffer<Scalar> acc;              // per (item, head, query): d_v accumulators
-  sdpa::detail::Buffer<Scalar> scores;           // per thread slot: one chunk of scores
+  sdpa::detail::Buffer<Scalar> scores;           // per thread slot: a chunk of scores per (head, query)
   std::vector<std::uint32_t> bits;         // per thread slot: one chunk of dropout words
+  std::vector<typename Visibility<Scalar>::Segment> segments;  // per thread slot: per (head, query)
 
   void reserve(Eigen::Index items, Eigen::Index rows_per_item, Eigen::Index d_v, Eigen::Index slots) {
     if (static_cast<Eigen::Index>(states.size()) < items * rows_per_item)
       states.resize(static_cast<std::size_t>(items * rows_per_item));
     grow(acc, items * rows_per_item * d_v);
-    grow(scores, slots * kDecodeChunk);
+    grow(scores, slots * rows_per_item * kDecodeChunk);
+    if (static_cast<Eigen::Index>(segments.size()) < slots * rows_per_item)
+      segments.resize(static_cast<std::size_t>(slots * rows_per_item));
     if (static_cast<Eigen::Index>(bits.size()) < slots * (kDecodeChunk + 8))
       bits.resize(static_cast<std::size_t>(slots * (kDecodeChunk + 8)));
   }
@@ -65,6 +68,7 @@ template <typename Scalar>
 void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>& ws,
                       const Eigen::ThreadPoolDevice* device = nullptr) {
   using Index = Eigen::Index;
+  using Segment = typename Visibility<Scalar>::Segment;
   if (p.batch <= 0 || p.heads <= 0 || p.nq <= 0) return;
   if (p.nk == 0) {
     // An empty softmax: the product with an empty v is zero, under either masked-row policy.
@@ -85,49 +89,79 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
     // The running thread's scratch slot: 0 for a thread outside the pool (the caller), 1 + its index for a
     // pool thread; two threads never share one.
     const Index slot = device == nullptr ? 0 : std::clamp<Index>(device->currentThreadId() + 1, 0, slots - 1);
-    Scalar* s = ws.scores.data() + slot * kDecodeChunk;
+    Scalar* scores = ws.scores.data() + slot * rows * kDecodeChunk;  // row r = h * nq + q of the item
     std::uint32_t* bits = ws.bits.data() + slot * (kDecodeChunk + 8);
+    Segment* segs = ws.segments.data() + slot * rows;
+    using Vec = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+    using RowsMap = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, 0,
+                               Eigen::OuterStride<>>;
+    constexpr Index kRows = 16;
     for (Index item = i0; item < i1; ++item) {
       const Index b = item / chunks, c = item % chunks;
       const Index k0 = c * kDecodeChunk, n = std::min(kDecodeChunk, p.nk - k0);
-      for (Index h = 0; h < p.heads; ++h) {
-        const Scalar* kb = p.k.row(b, h, k0);
-        const Scalar* vb = p.v.row(b, h, k0);
-        using Rows = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, 0,
-                                Eigen::OuterStride<>>;
-        const Rows kmat(kb, n, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
-        const Rows vmat(vb, n, p.d_v, Eigen::OuterStride<>(p.v.row_stride));
+      // Which rows see any key of the chunk, and where.
+      bool any = false;
+      for (Index h = 0; h < p.heads; ++h)
         for (Index q = 0; q < p.nq; ++q) {
-          const Index r = (item * p.heads + h) * p.nq + q;
-          SoftmaxRow<Scalar>& st = ws.states[static_cast<std::size_t>(r)];
-          Scalar* acc = ws.acc.data() + r * p.d_v;
-          st = SoftmaxRow<Scalar>{};
-          std::fill_n(acc, p.d_v, Scalar(0));
+          const Index r = h * p.nq + q, slot_r = (item * p.heads + h) * p.nq + q;
+          ws.states[static_cast<std::size_t>(slot_r)] = SoftmaxRow<Scalar>{};
+          std::fill_n(ws.acc.data() + slot_r * p.d_v, p.d_v, Scalar(0));
           const KeyRange range = visibility.row(b, h, q);
-          if (n <= 0 || range.hi <= k0 || range.lo >= k0 + n) continue;
-          // s = scale * K q over the chunk, then the pipeline (hidden keys -inf).
-          Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> sv(s, n);
-          sv.noalias() = kmat * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(p.q.row(b, h, q), p.d_k);
-          sv *= p.scale;
-          if (!pipeline.apply(s, n, b, h, q, k0, range)) continue;
+          segs[r] = visibility.segment(range, b, h, q, k0, n);
+          any = any || !segs[r].none();
+        }
+      if (!any) continue;
+      // Pass 1: every (head, query)'s scores over the chunk. The key rows are taken in blocks of kRows (a row
+      // holds every head's key), so memory is streamed once and in order while each head's matrix-vector
+      // product reads its part of the block from cache.
+      for (Index j0 = 0; j0 < n; j0 += kRows) {
+        const Index m = std::min(kRows, n - j0);
+        for (Index h = 0; h < p.heads; ++h) {
+          const RowsMap kb(p.k.row(b, h, k0 + j0), m, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
+          for (Index q = 0; q < p.nq; ++q) {
+            Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> sv(scores + (h * p.nq + q) * kDecodeChunk + j0, m);
+            sv.noalias() = p.scale * (kb * Vec(p.q.row(b, h, q), p.d_k));
+          }
+        }
+      }
+      // Pass 2: per row, the score pipeline, the softmax fold and dropout.
+      for (Index h = 0; h < p.heads; ++h)
+        for (Index q = 0; q < p.nq; ++q) {
+          const Index r = h * p.nq + q;
+          if (segs[r].none()) continue;
+          Scalar* s = scores + r * kDecodeChunk;
+          SoftmaxRow<Scalar>& st = ws.states[static_cast<std::size_t>((item * p.heads + h) * p.nq + q)];
+          pipeline.apply_segment(s, n, b, h, q, k0, segs[r]);
           st.seen = true;
           st.fold(s, n);  // a fresh state: the factor is 1
           if (p.dropout) {
-            if (p.keep_scale == Scalar(0)) continue;
             const Index k4 = k0 >> 2, blocks = ((k0 + n + 3) >> 2) - k4;
             p.sampler.fill_bits(b * p.heads + h, q, k4, blocks, bits);
             const std::uint32_t* w = bits + (k0 - 4 * k4);
             for (Index j = 0; j < n; ++j) s[j] = p.sampler.dropped_bits(w[j]) ? Scalar(0) : s[j] * p.keep_scale;
           }
-          // acc = V^T p over the visible keys only: a hidden key adds nothing, not even a NaN in its value.
-          const typename Visibility<Scalar>::Segment seg = visibility.segment(range, b, h, q, k0, n);
-          Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> av(acc, p.d_v);
-          if (seg.solid) {
-            av.noalias() = vmat.middleRows(seg.lo, seg.hi - seg.lo).transpose() *
-                           Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(s + seg.lo, seg.hi - seg.lo);
-          } else {
-            for (Index j = seg.lo; j < seg.hi; ++j)
-              if (!visibility.masked(b, h, q, k0 + j)) av += s[j] * vmat.row(j).transpose();
+        }
+      if (p.dropout && p.keep_scale == Scalar(0)) continue;  // p = 1: nothing reaches the output
+      // Pass 3: acc += p v over each row's visible keys, the value rows taken in blocks as in pass 1. A hidden
+      // key adds nothing, not even a NaN in its value: a row's product covers its visible segment only, and
+      // a mask's holes inside it go one key at a time.
+      for (Index j0 = 0; j0 < n; j0 += kRows) {
+        const Index m = std::min(kRows, n - j0);
+        for (Index h = 0; h < p.heads; ++h) {
+          const RowsMap vb(p.v.row(b, h, k0 + j0), m, p.d_v, Eigen::OuterStride<>(p.v.row_stride));
+          for (Index q = 0; q < p.nq; ++q) {
+            const Index r = h * p.nq + q;
+            const Segment& seg = segs[r];
+            const Index lo = std::max(seg.lo, j0), hi = std::min(seg.hi, j0 + m);
+            if (lo >= hi) continue;
+            Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> av(ws.acc.data() + ((item * p.heads + h) * p.nq + q) * p.d_v, p.d_v);
+            const Scalar* pr = scores + r * kDecodeChunk;
+            if (seg.solid) {
+              av.noalias() += vb.middleRows(lo - j0, hi - lo).transpose() * Vec(pr + lo, hi - lo);
+            } else {
+              for (Index j = lo; j < hi; ++j)
+                if (!visibility.masked(b, h, q, k0 + j)) av += pr[j] * vb.row(j - j0).transpose();
+            }
           }
         }
       }
