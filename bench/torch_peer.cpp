@@ -157,6 +157,48 @@ const float* TorchDecoder::output() const {
   return impl_->output.data_ptr<float>();
 }
 
+struct TorchTrainer::Impl {
+  TorchShape shape;
+  ScaledDotProductAttention module{nullptr};
+  torch::Tensor x, grad_output, mask;
+};
+
+TorchTrainer::TorchTrainer(const TorchShape& s, TorchLinearParams fc_q, TorchLinearParams fc_k, TorchLinearParams fc_v,
+                           TorchLinearParams fc_o)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->shape = s;
+  impl_->module = ScaledDotProductAttention(s.d_model, s.d_k, s.d_v, s.h, 0.0);
+  {
+    torch::NoGradGuard no_grad;
+    copy_linear(impl_->module->fc_q, fc_q);
+    copy_linear(impl_->module->fc_k, fc_k);
+    copy_linear(impl_->module->fc_v, fc_v);
+    copy_linear(impl_->module->fc_o, fc_o);
+  }
+  impl_->module->train();
+}
+
+TorchTrainer::~TorchTrainer() = default;
+
+void TorchTrainer::set_inputs(const float* x, const float* grad_output, bool causal) {
+  const TorchShape& s = impl_->shape;
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  impl_->x = torch::from_blob(const_cast<float*>(x), {s.batch, s.nq, s.d_model}, opts).clone().requires_grad_(true);
+  impl_->grad_output = torch::from_blob(const_cast<float*>(grad_output), {s.batch, s.nq, s.d_model}, opts);
+  impl_->mask = causal ? torch::triu(torch::ones({s.nq, s.nq}, torch::TensorOptions().dtype(torch::kBool)), 1)
+                             .view({1, 1, s.nq, s.nq})
+                       : torch::Tensor();
+}
+
+void TorchTrainer::forward_backward() {
+  impl_->module->zero_grad();
+  if (impl_->x.grad().defined()) impl_->x.mutable_grad() = torch::Tensor();
+  auto y = impl_->module->forward(impl_->x, impl_->x, impl_->x, impl_->mask);
+  y.backward(impl_->grad_output);
+}
+
+const float* TorchTrainer::input_grad() const { return impl_->x.grad().data_ptr<float>(); }
+
 void TorchPeer::set_num_threads(int threads) {
   at::set_num_threads(threads);
   // Debian's LibTorch calls whatever libblas.so.3 provides; OpenBLAS keeps its own thread pool, which

@@ -71,4 +71,24 @@ class TorchDecoder {
   std::unique_ptr<Impl> impl_;
 };
 
+// PyTorch autograd through the same module in LibTorch ops (the weights requiring gradients, the inputs
+// too): one forward and backward(grad_output), for the training benchmark.
+class TorchTrainer {
+ public:
+  TorchTrainer(const TorchShape& shape, TorchLinearParams fc_q, TorchLinearParams fc_k, TorchLinearParams fc_v,
+               TorchLinearParams fc_o);
+  ~TorchTrainer();
+  TorchTrainer(const TorchTrainer&) = delete;
+  TorchTrainer& operator=(const TorchTrainer&) = delete;
+
+  // x (batch, n, d_model) is queries, keys and values; grad_output (batch, n, d_model); causal as set_inputs.
+  void set_inputs(const float* x, const float* grad_output, bool causal);
+  void forward_backward();
+  const float* input_grad() const;  // d loss / d x, (batch, n, d_model)
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace sdpa_bench

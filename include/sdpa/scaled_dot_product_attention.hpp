@@ -662,13 +662,13 @@ class ScaledDotProductAttention {
     const Tensor3& xq = s.queries_;
     const Tensor3& xk = s.qk_same_ ? s.queries_ : s.keys_;
     const Tensor3& xv = s.kv_same_ ? xk : s.values_;
-    g.queries = Tensor3(batch, nq, d_model_);
-    g.keys = Tensor3(batch, nk, d_model_);
-    g.values = Tensor3(batch, nk, d_model_);
     if (options.attention_weights != nullptr) g.attention_weights = Weights(options.attention_weights->dimensions());
     if (options.attention_bias != nullptr) g.attention_bias = Weights(options.attention_bias->dimensions());
     const Index rows_q = batch * nq, rows_k = batch * nk;
     if (rows_q == 0 || rows_k == 0) {
+      g.queries = Tensor3(batch, nq, d_model_);
+      g.keys = Tensor3(batch, nk, d_model_);
+      g.values = Tensor3(batch, nk, d_model_);
       // No output, or no keys (zero attention): only fc_o's bias has a say.
       g.queries.setZero();
       g.keys.setZero();
@@ -744,9 +744,16 @@ class ScaledDotProductAttention {
     else
       kernels::tiled_backward(bp, device);
 
+    d_att = detail::Buffer<Scalar>();  // scratch is released as soon as it is used up: peak memory
+    g.queries = Tensor3(batch, nq, d_model_);
+    g.keys = Tensor3(batch, nk, d_model_);
+    g.values = Tensor3(batch, nk, d_model_);
+
     // The projections.
     linear_backward(fc_q_, dq.data(), hk, xq.data(), rows_q, g.fc_q, g.queries.data(), device);
+    dq = detail::Buffer<Scalar>();
     linear_backward(fc_k_, dk.data(), hk, xk.data(), rows_k, g.fc_k, g.keys.data(), device);
+    dk = detail::Buffer<Scalar>();
     linear_backward(fc_v_, dv.data(), hv, xv.data(), rows_k, g.fc_v, g.values.data(), device);
     return g;
   }
