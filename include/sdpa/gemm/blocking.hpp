@@ -13,7 +13,7 @@
 // the order in which an element's products are summed is fixed for a given build and machine.
 #pragma once
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 #include <cstddef>

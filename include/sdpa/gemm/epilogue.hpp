@@ -6,7 +6,7 @@
 // (full or edge) it falls in, which is what makes results independent of the thread count.
 #pragma once
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 
 #include "sdpa/gemm/isa.hpp"
 

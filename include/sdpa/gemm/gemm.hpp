@@ -13,7 +13,7 @@
 // keeps the packing scratch from one call to the next; a workspace serves one call at a time.
 #pragma once
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/isa.hpp"

@@ -5,7 +5,7 @@
 // (A as [rows, kc], B as [cols, kc]) and the block is one Eigen product, which is correct on any target.
 #pragma once
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 #include <array>

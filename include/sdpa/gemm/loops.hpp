@@ -11,7 +11,7 @@
 // in the micro-kernels, so results are bit-identical for any thread count (see min_items for Eigen's).
 #pragma once
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 #include <atomic>

@@ -10,9 +10,9 @@
 
 #if defined(SDPA_GEMM_ISA_AVX2)
 
-#include <immintrin.h>
+#include "sdpa/detail/intrinsics.hpp"
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 
 #include <cstddef>
 

@@ -12,7 +12,7 @@
 // loadu/storeu, mask(n) and transpose(Reg (&)[width]).
 #pragma once
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 

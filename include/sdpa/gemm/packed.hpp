@@ -27,7 +27,7 @@
 // pack concurrently; multiplying from several threads with the same packed operands is safe.
 #pragma once
 
-#include <Eigen/Core>
+#include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 #include <cstddef>

@@ -7,6 +7,8 @@
 #include "sdpa/detail/intrinsics.hpp"
 #include "sdpa/detail/eigen.hpp"
 
+#include <limits>
+
 #if defined(__AVX512F__)
 
 namespace sdpa {
@@ -67,6 +69,21 @@ struct ShiftedExpAvx512Float {
     return _mm512_maskz_scalef_ps(lanes, y, k);
   }
 };
+
+// The largest of x[0 .. n) for n > 0 (a NaN may or may not win: see segment_max in softmax.hpp).
+inline float segment_max_avx512(const float* x, Eigen::Index n) noexcept {
+  __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
+  Eigen::Index j = 0;
+  for (; j + 32 <= n; j += 32) {
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + j));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(x + j + 16));
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+    m0 = _mm512_mask_max_ps(m0, lanes, m0, _mm512_maskz_loadu_ps(lanes, x + j));
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
 
 }  // namespace detail
 }  // namespace kernels

@@ -1,8 +1,9 @@
 // The projections as matrix products on the callers' memory: y = x W^T + b over row-major buffers with
 // leading dimensions, so that several layers can write side by side into one fused buffer (q | k | v) that
-// the attention kernel then reads in place. Eigen's GEMM by default; with SDPA_USE_ONEDNN (the opt-in
-// sdpa::onednn target) float products go to oneDNN's dnnl_sgemm, pinned to the calling thread so that
-// sdpa's own work split stays the only threading.
+// the attention kernel then reads in place. sdpa::gemm's kernels by default (Eigen's products where the
+// target has no AVX2 or AVX-512); with SDPA_USE_ONEDNN (the opt-in sdpa::onednn target) float products go to
+// oneDNN's dnnl_sgemm, pinned to the calling thread so that sdpa's own work split stays the only threading.
+// Also the tile-sized products the attention kernels share, and the few-row projections of a decoding step.
 #pragma once
 
 #include "sdpa/detail/eigen.hpp"
@@ -24,29 +25,27 @@ extern "C" void omp_set_num_threads(int);
 namespace sdpa {
 namespace kernels {
 
-// The two products everything else is written with, on row-major memory with leading dimensions. Keeping
-// every caller on these two expression types keeps Eigen's GEMM instantiated twice per Scalar rather than
-// once per call site, which is most of what including sdpa costs in compile time.
+// The calling thread's packing scratch for the products below: kept from one call to the next, so that the
+// tile-sized products of the attention kernels do not allocate (it grows to the largest call).
+template <typename Scalar>
+gemm::Workspace<Scalar>& thread_workspace() {
+  thread_local gemm::Workspace<Scalar> workspace;
+  return workspace;
+}
+
+// Two tile-sized products on row-major memory with leading dimensions, on the calling thread:
 //   gemm_nt: c[m, n] (ldc) = alpha * a[m, k] (lda) * b[n, k]^T (ldb)
 //   gemm_nn_add: c[m, n] (ldc) += a[m, k] (lda) * b[k, n] (ldb)
 template <typename Scalar>
 void gemm_nt(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
              const Scalar* b, Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
-  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using Stride = Eigen::OuterStride<>;
-  const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> as(a, m, k, Stride(lda)), bs(b, n, k, Stride(ldb));
-  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cs(c, m, n, Stride(ldc));
-  cs.noalias() = (alpha * as) * bs.transpose();
+  gemm::gemm_nt<Scalar>(m, n, k, alpha, a, lda, b, ldb, Scalar(0), c, ldc, nullptr, &thread_workspace<Scalar>());
 }
 
 template <typename Scalar>
 void gemm_nn_add(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* b,
                  Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
-  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using Stride = Eigen::OuterStride<>;
-  const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> as(a, m, k, Stride(lda)), bs(b, k, n, Stride(ldb));
-  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cs(c, m, n, Stride(ldc));
-  cs.noalias() += as * bs;
+  gemm::gemm_nn<Scalar>(m, n, k, Scalar(1), a, lda, b, ldb, Scalar(1), c, ldc, nullptr, &thread_workspace<Scalar>());
 }
 
 // y[rows, out] (leading dimension ldy) = x[rows, in] (ldx) * w[out, in]^T + b[out]: sdpa::gemm's

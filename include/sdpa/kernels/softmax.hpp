@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "sdpa/kernels/exp_avx512.hpp"
 #include "sdpa/options.hpp"
@@ -39,6 +40,16 @@ template <>
 struct ShiftedExp<float> : ShiftedExpAvx512Float {};
 #endif
 
+// The largest of x[0 .. n) (n > 0), NaN or not: a NaN may or may not win, so a caller that must see NaN
+// looks again when the result does not show it (NaN also reaches the sum through exp).
+template <typename Scalar>
+Scalar segment_max(const Scalar* x, Eigen::Index n) noexcept {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<Scalar, float>::value) return segment_max_avx512(x, n);
+#endif
+  return Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(x, n).maxCoeff();
+}
+
 }  // namespace detail
 
 // One query row's running softmax: the max of the scores folded so far (NaN once any was NaN), the sum of
@@ -54,11 +65,15 @@ struct SoftmaxRow {
   // return value is the factor by which the row's output accumulator must be scaled first (1: unchanged).
   Scalar fold(Scalar* x, Eigen::Index n) noexcept {
     Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
-    const Scalar segment_max = a.template maxCoeff<Eigen::PropagateNaN>();
+    Scalar segment_max = detail::segment_max(x, n);
     if (segment_max == -kInf) {
-      // Nothing visible here, or only -inf scores: adds nothing (exp(-inf - m) = 0), changes nothing.
-      a.setZero();
-      return Scalar(1);
+      if (a.isNaN().any()) {
+        segment_max = std::numeric_limits<Scalar>::quiet_NaN();  // -inf beside NaN: the NaN wins
+      } else {
+        // Nothing visible here, or only -inf scores: adds nothing (exp(-inf - m) = 0), changes nothing.
+        a.setZero();
+        return Scalar(1);
+      }
     }
     const Scalar old_max = max;
     max = std::isnan(old_max) || !(segment_max > old_max || std::isnan(segment_max)) ? old_max : segment_max;
