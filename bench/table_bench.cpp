@@ -1,0 +1,76 @@
+// table_bench: sdpa on the configurations ../shared/peers/ times PyTorch 2.6 and ONNX Runtime 1.21 on, with
+// the same FLOP count (peer_perf.py: the four projections and 2 * B * h * pairs * (d_k + d_v)), so that the
+// peers table of bench/RESULTS.md compares like with like. d_model 512, h 8, float, eval, self-attention:
+//   table/demo (50 x 49, d_k 512), table/std (50 x 49, d_k 64), table/long (1 x 4096, d_k 64),
+//   table/long_causal (the same with causal = true), table/long8k (1 x 8192, d_k 64); 1 and 2 threads.
+// scripts/run_peer_benchmarks.py runs it beside gemm_bench (the FMA peak, dnnl_sgemm) and the peers.
+#include <benchmark/benchmark.h>
+
+#include <memory>
+#include <string>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace sdpa_bench;
+
+struct TableConfig {
+  const char* name;
+  Index batch, n, d_k;
+  bool causal;
+};
+
+double peer_flops(const TableConfig& c) {
+  const double rows = static_cast<double>(c.batch * c.n), hk = 8.0 * static_cast<double>(c.d_k);
+  const double proj = 2.0 * rows * 512 * hk * 2 + 2.0 * rows * 512 * hk + 2.0 * rows * hk * 512;
+  const double n = static_cast<double>(c.n);
+  const double pairs = c.causal ? n * (n + 1) / 2 : n * n;
+  return proj + 2.0 * static_cast<double>(c.batch) * 8 * pairs * 2 * static_cast<double>(c.d_k);
+}
+
+const Eigen::ThreadPoolDevice* device_for(int threads) {
+  if (threads <= 1) return nullptr;
+  static Eigen::ThreadPool pool(2);
+  static Eigen::ThreadPoolDevice device(&pool, 2);
+  return &device;
+}
+
+void run(benchmark::State& state, const TableConfig& tc, int threads) {
+  Config c = long_config(tc.n, false);
+  c.batch = tc.batch;
+  c.d_k = c.d_v = tc.d_k;
+  Fixture f(c);
+  sdpa::AttentionOptions<float> o;
+  o.causal = tc.causal;
+  o.device = device_for(threads);
+  for (auto _ : state) {
+    auto y = f.module(f.x, f.x, f.x, o);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(peer_flops(tc), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP"] = peer_flops(tc) / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const TableConfig configs[] = {{"demo", 50, 49, 512, false},
+                                 {"std", 50, 49, 64, false},
+                                 {"long", 1, 4096, 64, false},
+                                 {"long_causal", 1, 4096, 64, true},
+                                 {"long8k", 1, 8192, 64, false}};
+  for (const TableConfig& c : configs)
+    for (int threads : {1, 2}) {
+      const std::string name = std::string("table/") + c.name + "/threads:" + std::to_string(threads);
+      benchmark::RegisterBenchmark(name.c_str(), [c, threads](benchmark::State& s) { run(s, c, threads); })
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Measures, in one session, sdpa against the CPU peers a user would pick instead (PyTorch 2.6 and ONNX
+Runtime 1.21 from Debian 13, in a chroot made by ../shared/peers/) and against the machine's limits (the FMA
+peak of the ISA the build targets, oneDNN's sgemm), and writes the "Against the peers" section of
+bench/RESULTS.md (between its markers; the rest of the file is kept).
+
+    /usr/bin/python3 scripts/run_peer_benchmarks.py [--build] [--repetitions 5]
+
+sdpa: bench/table_bench on the peers' configurations with their FLOP count, bench/gemm_bench and
+gemm_bench_avx2 (FMA peaks, sdpa::gemm and dnnl_sgemm on the demo's projection shapes). Peers: run.sh CONFIG
+IMPL THREADS, impl seed (the original module in torch ops), sdpa2 (F.scaled_dot_product_attention), ort (the
+module exported to ONNX), ort_mha (ONNX Runtime's MultiHeadAttention op), ort_dnnl (ORT's oneDNN provider);
+each prints its best of several runs. Needs root (the chroot) and Google Benchmark.
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS = os.path.join(os.path.dirname(ROOT), "shared", "peers", "run.sh")
+BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
+CONFIGS = [("demo", "demo 50x49, d_k 512"), ("std", "50x49, d_k 64"), ("long", "1x4096, d_k 64"),
+           ("long_causal", "1x4096 causal")]
+IMPLS = [("seed", "PyTorch 2.6, module ops"), ("sdpa2", "PyTorch 2.6 SDPA"), ("ort", "ONNX Runtime 1.21"),
+         ("ort_mha", "ORT MultiHeadAttention"), ("ort_dnnl", "ORT + oneDNN EP")]
+
+
+def run(cmd, **kw):
+    print("+", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def bench(exe, flt, reps, out):
+    run([exe, f"--benchmark_filter={flt}", f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.5",
+         f"--benchmark_out={out}", "--benchmark_out_format=json"], stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        data = json.load(f)
+    runs = {}
+    for b in data["benchmarks"]:
+        if b.get("run_type") == "aggregate":
+            continue
+        name = re.sub(r"/real_time$", "", b["run_name"])
+        scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
+        runs.setdefault(name, []).append((b["real_time"] * scale, b.get("FLOPS", 0.0) / 1e9))
+    return runs, data.get("context", {})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", action="store_true")
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
+    ap.add_argument("--repetitions", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "RESULTS.md"))
+    args = ap.parse_args()
+    build = os.path.abspath(args.build_dir)
+    if args.build:
+        run(["cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
+             "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON"], stdout=subprocess.DEVNULL)
+        run(["cmake", "--build", build, "--target", "table_bench", "gemm_bench", "gemm_bench_avx2", "-j", "2"])
+    b = os.path.join(build, "bench")
+    gemm, context = bench(os.path.join(b, "gemm_bench"), "fma_peak|^(qkv|fc_o)/.*/(sdpa_avx512|eigen|dnnl_sgemm)/",
+                          args.repetitions, os.path.join(build, "peers_gemm.json"))
+    gemm2, _ = bench(os.path.join(b, "gemm_bench_avx2"), "fma_peak|^(qkv|fc_o)/.*/sdpa_avx2/", args.repetitions,
+                     os.path.join(build, "peers_gemm_avx2.json"))
+    table, _ = bench(os.path.join(b, "table_bench"), "table/", args.repetitions, os.path.join(build, "peers_table.json"))
+
+    peers = {}
+    for cfg, _ in CONFIGS:
+        for threads in (1, 2):
+            for impl, _ in IMPLS:
+                try:
+                    out = run(["bash", PEERS, cfg, impl, str(threads)], capture_output=True, text=True).stdout
+                except subprocess.CalledProcessError as e:
+                    print(f"peer {cfg} {impl} {threads}: failed: {e}", file=sys.stderr)
+                    continue
+                m = re.search(r"min_ms=([0-9.]+) gflops=([0-9.]+)", out)
+                if m:
+                    peers[(cfg, impl, threads)] = (float(m.group(1)), float(m.group(2)))
+    info = subprocess.run(["bash", PEERS, "--info"], capture_output=True, text=True).stdout.strip().splitlines()
+
+    def best(runs, name):  # (min ms, median ms, median GFLOP/s)
+        r = runs[name]
+        times = [t for t, _ in r]
+        return min(times), statistics.median(times), statistics.median(g for _, g in r)
+
+    def find(runs, pattern):
+        return next(n for n in runs if re.search(pattern, n))
+
+    peak = {t: best(gemm, find(gemm, rf"fma_peak/avx512/threads:{t}"))[2] for t in (1, 2)}
+    peak2 = {t: best(gemm2, find(gemm2, rf"fma_peak/avx2/threads:{t}"))[2] for t in (1, 2)}
+    lines = [BEGIN, "## Against the peers: PyTorch 2.6, ONNX Runtime 1.21, and the machine's limits", ""]
+    lines.append("Command: `/usr/bin/python3 scripts/run_peer_benchmarks.py --build` on "
+                 + context.get("host_name", "this machine") + ", " + context.get("date", "")
+                 + f". sdpa's times: min / median of {args.repetitions} runs (bench/table_bench, the peers' FLOP"
+                 " count); peers: their best of several runs (../shared/peers/run.sh, Debian 13's python3-torch and"
+                 " python3-onnxruntime in a chroot on this machine). d_model 512, h 8, float, eval, self-attention.")
+    lines += ["", "Peers: " + "; ".join(l.strip() for l in info[:6] if l.strip()), ""]
+    lines += [f"FMA peak measured in the same run: AVX-512 {peak[1]:.0f} GFLOP/s on 1 core, {peak[2]:.0f} on 2; "
+              f"AVX2 {peak2[1]:.0f} and {peak2[2]:.0f}.", ""]
+    lines += ["### Matrix products (the demo's projection shapes)", "",
+              "| product | threads | sdpa::gemm | % of FMA peak | Eigen | dnnl_sgemm | sdpa::gemm AVX2 build | % of AVX2 peak |",
+              "|---|---|---|---|---|---|---|---|"]
+    for shape, label in (("qkv", "fused QKV 2450 x 512 x 12288"), ("fc_o", "fc_o 2450 x 4096 x 512")):
+        for t in (1, 2):
+            ours = best(gemm, find(gemm, rf"^{shape}/.*/sdpa_avx512/threads:{t}"))[2]
+            eig = best(gemm, find(gemm, rf"^{shape}/.*/eigen/threads:{t}"))[2]
+            try:
+                dn = f"{best(gemm, find(gemm, rf'^{shape}/.*/dnnl_sgemm/threads:{t}'))[2]:.0f}"
+            except StopIteration:
+                dn = "—"
+            a2 = best(gemm2, find(gemm2, rf"^{shape}/.*/sdpa_avx2/threads:{t}"))[2]
+            lines.append(f"| {label} | {t} | {ours:.0f} GFLOP/s | {100 * ours / peak[t]:.0f}% | {eig:.0f} | {dn} | "
+                         f"{a2:.0f} | {100 * a2 / peak2[t]:.0f}% |")
+    lines += ["", "### The module", "",
+              "| config | threads | sdpa (min / median) | GFLOP/s | % of FMA peak | "
+              + " | ".join(label for _, label in IMPLS) + " | vs ORT (best of its 3) | vs PyTorch 2.6 (best of 2) |",
+              "|---|---|---|---|---|" + "---|" * len(IMPLS) + "---|---|"]
+    targets = []
+    for cfg, label in CONFIGS:
+        for t in (1, 2):
+            mn, md, g = best(table, f"table/{cfg}/threads:{t}")
+            cells = []
+            for impl, _ in IMPLS:
+                p = peers.get((cfg, impl, t))
+                cells.append(f"{p[0]:.0f} ms" if p else "—")
+            ort = [peers[(cfg, i, t)][0] for i in ("ort", "ort_mha", "ort_dnnl") if (cfg, i, t) in peers]
+            torch = [peers[(cfg, i, t)][0] for i in ("seed", "sdpa2") if (cfg, i, t) in peers]
+            vs_ort = min(ort) / md if ort else float("nan")
+            vs_torch = min(torch) / md if torch else float("nan")
+            lines.append(f"| {label} | {t} | {mn:.0f} / {md:.0f} ms | {g:.0f} | {100 * g / peak[t]:.0f}% | "
+                         + " | ".join(cells) + f" | {vs_ort:.2f}x | {vs_torch:.2f}x |")
+            targets.append((label, t, vs_ort, vs_torch, 100 * g / peak[t]))
+    lines += ["", "| target | measured | required | |", "|---|---|---|---|"]
+    for label, t, vs_ort, vs_torch, pct in targets:
+        lines.append(f"| {label}, {t} thread{'s' if t > 1 else ''}: faster than ONNX Runtime's best | {vs_ort:.2f}x | >= 1.2x | "
+                     f"{'**PASS**' if vs_ort >= 1.2 else '**FAIL**'} |")
+        lines.append(f"| {label}, {t} thread{'s' if t > 1 else ''}: faster than PyTorch 2.6's best | {vs_torch:.2f}x | > 1x | "
+                     f"{'**PASS**' if vs_torch > 1.0 else '**FAIL**'} |")
+    for shape in ("qkv", "fc_o"):
+        ours = best(gemm, find(gemm, rf"^{shape}/.*/sdpa_avx512/threads:1"))[2]
+        lines.append(f"| {shape} product, 1 thread, % of the AVX-512 FMA peak | {100 * ours / peak[1]:.0f}% | >= 85% | "
+                     f"{'**PASS**' if ours >= 0.85 * peak[1] else '**FAIL**'} |")
+        a2 = best(gemm2, find(gemm2, rf"^{shape}/.*/sdpa_avx2/threads:1"))[2]
+        lines.append(f"| {shape} product, AVX2 build, 1 thread, % of the AVX2 FMA peak | {100 * a2 / peak2[1]:.0f}% | >= 80% | "
+                     f"{'**PASS**' if a2 >= 0.80 * peak2[1] else '**FAIL**'} |")
+    for label, t, _, _, pct in targets:
+        if t == 1:
+            need = 70 if "causal" in label else 75
+            lines.append(f"| {label}, 1 thread, end to end, % of the FMA peak | {pct:.0f}% | >= {need}% | "
+                         f"{'**PASS**' if pct >= need else '**FAIL**'} |")
+    lines += ["", END]
+    text = open(args.out).read() if os.path.exists(args.out) else ""
+    section = "\n".join(lines)
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(args.out, "w") as f:
+        f.write(text)
+    print("\n".join(lines[-2 * len(targets) - 12:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
