@@ -92,8 +92,8 @@ def main():
     def find(runs, pattern):
         return next(n for n in runs if re.search(pattern, n))
 
-    peak = {t: best(gemm, find(gemm, rf"fma_peak/avx512/threads:{t}"))[2] for t in (1, 2)}
-    peak2 = {t: best(gemm2, find(gemm2, rf"fma_peak/avx2/threads:{t}"))[2] for t in (1, 2)}
+    peak = {t: best(gemm, find(gemm, rf"fma_peak/avx512/.*threads:{t}$"))[2] for t in (1, 2)}
+    peak2 = {t: best(gemm2, find(gemm2, rf"fma_peak/avx2/.*threads:{t}$"))[2] for t in (1, 2)}
     lines = [BEGIN, "## Against the peers: PyTorch 2.6, ONNX Runtime 1.21, and the machine's limits", ""]
     lines.append("Command: `/usr/bin/python3 scripts/run_peer_benchmarks.py --build` on "
                  + context.get("host_name", "this machine") + ", " + context.get("date", "")
