@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Runs bench/decode_bench (decoding with a KVCache) and bench/training_bench (forward with a state,
+backward, PyTorch autograd in LibTorch), checks their targets, and writes the "Decoding with a cache" and
+"Training" sections of bench/RESULTS.md (between their markers; the rest of the file is kept).
+
+    /usr/bin/python3 scripts/run_decode_training_benchmarks.py [--build] [--repetitions 5]
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(cmd, **kw):
+    print("+", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def bench(exe, flt, reps, out, extra=()):
+    run([exe, f"--benchmark_filter={flt}", f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.5",
+         f"--benchmark_out={out}", "--benchmark_out_format=json", *extra], stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        data = json.load(f)
+    times = {}
+    for b in data["benchmarks"]:
+        if b.get("run_type") == "aggregate":
+            continue
+        name = re.sub(r"/real_time$", "", b["run_name"])
+        scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
+        times.setdefault(name, []).append(b["real_time"] * scale)
+    return times, data.get("context", {})
+
+
+def replace_section(path, begin, end, lines):
+    text = open(path).read() if os.path.exists(path) else ""
+    section = "\n".join([begin] + lines + [end])
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", action="store_true")
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
+    ap.add_argument("--repetitions", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "RESULTS.md"))
+    args = ap.parse_args()
+    build = os.path.abspath(args.build_dir)
+    if args.build:
+        run(["cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
+             "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON"], stdout=subprocess.DEVNULL)
+        run(["cmake", "--build", build, "--target", "decode_bench", "training_bench", "-j", "2"])
+    b = os.path.join(build, "bench")
+    med = lambda t, n: statistics.median(t[n])
+    mn = lambda t, n: min(t[n])
+
+    # ---- decoding
+    d, ctx = bench(os.path.join(b, "decode_bench"), "decode/(step|recompute|read|torch)/", args.repetitions,
+                   os.path.join(build, "decode_bench.json"))
+    g, _ = bench(os.path.join(b, "decode_bench"), "decode/generate/", 1, os.path.join(build, "decode_generate.json"))
+    rss = json.loads(run([os.path.join(b, "decode_bench"), "--peak_rss_generate", "4096"], capture_output=True,
+                         text=True).stdout)
+    step = lambda n, batch, t: f"decode/step/cache:{n}/batch:{batch}/threads:{t}"
+    read = lambda n: next(k for k in d if k.startswith(f"decode/read/cache:{n}/"))
+    cmd = "/usr/bin/python3 scripts/run_decode_training_benchmarks.py --build"
+    lines = ["## Decoding with a cache", "",
+             f"Command: `{cmd}` (bench/decode_bench), on {ctx.get('host_name', 'this machine')}, {ctx.get('date', '')}. "
+             f"d_model 512, h 8, d_k = d_v = 64, float, eval; one token per sequence per step; min / median of "
+             f"{args.repetitions} runs. 'read bound': a one-thread sum over as many bytes as the step reads (its keys "
+             f"and values and the four weight matrices), measured in the same run.", "",
+             "| cache entries | batch | threads | step (min / median) | read bound | step / read bound | LibTorch cat loop | LibTorch / sdpa |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n in (128, 1024, 2048, 4095, 16383):
+        for t in (1, 2):
+            s = step(n, 1, t)
+            rb = med(d, read(n))
+            tn = {128: 128, 1024: 1024, 4095: 4096}.get(n)
+            torch = f"decode/torch/cache:{tn}/batch:1/threads:1" if tn else None
+            tc = f"{med(d, torch):.2f} ms" if torch in d and t == 1 else ""
+            tr = f"{med(d, torch) / med(d, s):.1f}x" if torch in d and t == 1 else ""
+            lines.append(f"| {n} | 1 | {t} | {mn(d, s):.3f} / {med(d, s):.3f} ms | {rb:.3f} ms | {med(d, s) / rb:.2f} | {tc} | {tr} |")
+    for t in (1, 2):
+        s = step(2048, 8, t)
+        lines.append(f"| 2048 | 8 | {t} | {mn(d, s):.3f} / {med(d, s):.3f} ms | | | | |")
+    recompute = med(d, "decode/recompute/N:4096/threads:1")
+    gen = g["decode/generate/N:4096/threads:1"][0]
+    lines += ["", f"Recomputing forward(x, x, x, {{causal}}) over the 4096 tokens instead: {recompute:.0f} ms. "
+                  f"Generating 4096 tokens one by one from an empty cache: {gen / 1e3:.2f} s in all "
+                  f"({4096 / (gen / 1e3):.0f} tokens/s), peak RSS {rss['vm_hwm_mib']:.0f} MiB, of which the cache "
+                  f"holds {rss['cache_mib']:.0f} MiB, the weights {rss['weights_mib']:.0f} MiB and the benchmark's "
+                  f"4096 input tokens {rss['tokens_mib']:.0f} MiB (before generating: {rss['before_mib']:.0f} MiB).", ""]
+    tg = []
+
+    def target(label, value, limit, ok):
+        tg.append(f"| {label} | {value} | {limit} | {'**PASS**' if ok else '**FAIL**'} |")
+
+    r = recompute / med(d, step(4095, 1, 1))
+    target("step at cache 4095 vs recomputing the 4096-token forward", f"{r:.0f}x", ">= 50x", r >= 50)
+    r = med(d, step(4095, 1, 1)) / med(d, read(4095))
+    target("step at cache 4095 / read bound", f"{r:.2f}", "<= 2", r <= 2)
+    r = med(d, step(16383, 1, 1)) / med(d, step(16383, 1, 2))
+    target("step at cache 16383: 1 thread / 2 threads", f"{r:.2f}x", ">= 1.6x", r >= 1.6)
+    r = med(d, step(2048, 8, 1)) / 8 / med(d, step(2048, 1, 1))
+    target("per token, batch 8 / batch 1 at cache 2048, 1 thread", f"{r:.2f}", "<= 0.8", r <= 0.8)
+    for n in (128, 1024, 4096):
+        torch = f"decode/torch/cache:{n}/batch:1/threads:1"
+        mine = step(min(n, 4095), 1, 1)
+        if torch in d:
+            r = med(d, torch) / med(d, mine)
+            target(f"LibTorch cat loop / sdpa at cache {n}", f"{r:.1f}x", "> 1", r > 1)
+    ov = rss["vm_hwm_mib"] - rss["before_mib"]
+    lim = 1.5 * (rss["cache_mib"] + rss["weights_mib"])
+    target("generating 4096 tokens: peak RSS growth vs 1.5 x (cache + weights)", f"{ov:.0f} MiB", f"<= {lim:.0f} MiB", ov <= lim)
+    lines += ["| target | measured (medians) | required | |", "|---|---|---|---|"] + tg
+    replace_section(args.out, "<!-- decode:begin -->", "<!-- decode:end -->", lines)
+
+    # ---- training
+    t, ctx = bench(os.path.join(b, "training_bench"), "train/", args.repetitions, os.path.join(build, "training_bench.json"))
+    rss = json.loads(run([os.path.join(b, "training_bench"), "--peak_rss", "16384"], capture_output=True, text=True).stdout)
+    lines = ["## Training", "",
+             f"Command: `{cmd}` (bench/training_bench), on {ctx.get('host_name', 'this machine')}, {ctx.get('date', '')}. "
+             f"d_model 512, h 8, float, training mode without dropout, q = k = v; min / median of {args.repetitions} runs. "
+             "LibTorch: the module in LibTorch 1.13 ops under autograd (forward and backward(grad_output)), 1 thread, "
+             "BLAS: " + ("OpenBLAS" if os.path.exists("/usr/lib/x86_64-linux-gnu/openblas-pthread") else "Debian's default") + ".", "",
+             "| config | threads | forward | backward | forward + backward | backward / forward | LibTorch fwd + bwd | LibTorch / sdpa |",
+             "|---|---|---|---|---|---|---|---|"]
+    tg = []
+    for cfg, label in (("demo", "demo 50x49, d_k 512"), ("long/N:4096", "1x4096, d_k 64"), ("causal/N:4096", "1x4096 causal")):
+        for th in (1, 2):
+            f_, b_, fb = (med(t, f"train/{cfg}/{w}/threads:{th}") for w in ("forward", "backward", "forward_backward"))
+            torch = f"train/{cfg}/torch/threads:1"
+            tc = f"{med(t, torch):.0f} ms" if torch in t and th == 1 else ""
+            tr = f"{med(t, torch) / fb:.1f}x" if torch in t and th == 1 else ""
+            lines.append(f"| {label} | {th} | {f_:.0f} ms | {b_:.0f} ms | {fb:.0f} ms | {b_ / f_:.2f} | {tc} | {tr} |")
+    r = med(t, "train/long/N:4096/backward/threads:1") / med(t, "train/long/N:4096/forward/threads:1")
+    target_rows = []
+
+    def target2(label, value, limit, ok):
+        target_rows.append(f"| {label} | {value} | {limit} | {'**PASS**' if ok else '**FAIL**'} |")
+
+    target2("1x4096 backward / forward, 1 thread", f"{r:.2f}", "<= 3.5", r <= 3.5)
+    for cfg, need in (("long/N:4096", 5.0), ("demo", 1.5)):
+        torch = f"train/{cfg}/torch/threads:1"
+        if torch in t:
+            r = med(t, torch) / med(t, f"train/{cfg}/forward_backward/threads:1")
+            target2(f"{cfg}: LibTorch autograd / sdpa, forward + backward", f"{r:.1f}x", f">= {need}x", r >= need)
+    r = med(t, "train/long/N:4096/backward/threads:1") / med(t, "train/long/N:4096/backward/threads:2")
+    target2("1x4096 backward: 1 thread / 2 threads", f"{r:.2f}x", ">= 1.6x", r >= 1.6)
+    target2("1x16384 forward + backward peak RSS", f"{rss['vm_hwm_mib']:.0f} MiB", "<= 600 MiB", rss["vm_hwm_mib"] <= 600)
+    lines += ["", "| target | measured (medians) | required | |", "|---|---|---|---|"] + target_rows
+    replace_section(args.out, "<!-- training:begin -->", "<!-- training:end -->", lines)
+    print("\n".join(tg + target_rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
