@@ -22,12 +22,12 @@ struct TileConfig {
   // The rule, for `scalar_bytes`-wide elements and the per-core L2 size in bytes. Everything a group
   // touches should stay in L2: the k and v blocks (block_k x (d_k + d_v)) get an eighth of it, the score
   // tile (block_q x block_k) another eighth, and the group's q rows and output accumulators
-  // (group x block_q x (d_k + d_v)) half, leaving the rest for the copies Eigen packs them into. Each
-  // operand Eigen packs also stays within EIGEN_STACK_ALLOCATION_LIMIT, so that the products take their
-  // buffers from the stack, never the heap. Sizes are powers of two, block_k in [16, 512], block_q in
-  // [16, 256] and group in [1, 8]. (Measured on a 1 MiB L2, float, d = 64: 128 x 256 tiles in groups of
-  // 8 ran about as fast as any other shape from 64 x 512 to 256 x 256, and groups of 4-8 about 10% faster
-  // than no groups.)
+  // (group x block_q x (d_k + d_v)) half, leaving the rest for their packed copies. Each operand also
+  // stays within EIGEN_STACK_ALLOCATION_LIMIT (it bounded Eigen's packing buffers when the tiles ran on
+  // Eigen's products; it keeps the blocks within L1/L2-sized panels for sdpa::gemm's). Sizes are powers of
+  // two, block_k in [16, 512], block_q in [16, 256] and group in [1, 8]. (Measured on a 1 MiB L2, float,
+  // d = 64, with sdpa::gemm: 128 x 256 tiles in groups of 8 within noise (+-5%) of 128 x 512, 96 x 256 and
+  // 192 x 256; smaller tiles and groups were slower.)
   static TileConfig for_caches(Eigen::Index scalar_bytes, Eigen::Index d_k, Eigen::Index d_v,
                                Eigen::Index l2_bytes) noexcept {
     scalar_bytes = std::max<Eigen::Index>(1, scalar_bytes);
