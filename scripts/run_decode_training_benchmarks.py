@@ -32,7 +32,7 @@ def bench(exe, flt, reps, out, extra=()):
     for b in data["benchmarks"]:
         if b.get("run_type") == "aggregate":
             continue
-        name = re.sub(r"/real_time$", "", b["run_name"])
+        name = re.sub(r"(/iterations:[0-9]+)?/real_time$", "", b["run_name"])
         scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
         times.setdefault(name, []).append(b["real_time"] * scale)
     return times, data.get("context", {})
