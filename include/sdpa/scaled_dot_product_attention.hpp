@@ -506,6 +506,34 @@ class ScaledDotProductAttention {
     }
   }
 
+  // The sizes, scale, masked-row policy and tensor-free options of a problem with nq queries against nk keys
+  // (q' = q + nk - nq: lower-right alignment), shared by the forward, the cached step and the backward.
+  void fill_problem(kernels::AttentionProblem<Scalar>& p, Index batch, Index nq, Index nk,
+                    const AttentionOptions<Scalar>& options, bool causal) const {
+    p.batch = batch;
+    p.heads = h_;
+    p.nq = nq;
+    p.nk = nk;
+    p.d_k = d_k_;
+    p.d_v = d_v_;
+    p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
+    p.causal = causal;
+    p.window_left = options.window_left;
+    p.window_right = options.window_right;
+    p.key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
+    p.alibi = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
+    p.query_offset = nk - nq;
+    p.masked_rows = masked_rows_;
+  }
+
+  // In training mode with p > 0, this call's dropout: the module's next call index.
+  void draw_dropout(kernels::AttentionProblem<Scalar>& p) const {
+    if (!(training_ && dropout_ > Scalar(0))) return;
+    p.dropout = true;
+    p.sampler = DropoutSampler(seed_, calls_.fetch_add(1), static_cast<double>(dropout_));
+    p.keep_scale = dropout_ >= Scalar(1) ? Scalar(0) : Scalar(1) / (Scalar(1) - dropout_);
+  }
+
   Tensor3 forward_impl(const View& qv, const View& kv, const View& vv, const AttentionOptions<Scalar>& options,
                        ForwardState<Scalar>* capture = nullptr) const {
     check_inputs(qv, kv, vv);
@@ -528,31 +556,14 @@ class ScaledDotProductAttention {
     const Index hv = h_ * d_v_;
     Projected proj = project(qv, kv, vv, device, options.key_lengths.empty() ? nullptr : options.key_lengths.data());
 
-    p.batch = batch;
-    p.heads = h_;
-    p.nq = nq;
-    p.nk = nk;
-    p.d_k = d_k_;
-    p.d_v = d_v_;
+    detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * hv));
+    fill_problem(p, batch, nq, nk, options, options.causal);
     p.q = {proj.q, nq * proj.ldq, proj.ldq, d_k_};
     p.k = {proj.k, nk * proj.ldk, proj.ldk, d_k_};
     p.v = {proj.v, nk * proj.ldv, proj.ldv, d_v_};
-    detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * hv));
     p.out = {att.data(), nq * hv, hv, d_v_};
-    p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
-    p.causal = options.causal;
-    p.window_left = options.window_left;
-    p.window_right = options.window_right;
-    p.key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
-    p.alibi = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
-    p.query_offset = nk - nq;  // lower-right alignment
-    p.masked_rows = masked_rows_;
     p.probabilities = options.probabilities != nullptr ? options.probabilities->data() : nullptr;
-    if (training_ && dropout_ > Scalar(0)) {
-      p.dropout = true;
-      p.sampler = DropoutSampler(seed_, calls_.fetch_add(1), static_cast<double>(dropout_));
-      p.keep_scale = dropout_ >= Scalar(1) ? Scalar(0) : Scalar(1) / (Scalar(1) - dropout_);
-    }
+    draw_dropout(p);
     if (capture != nullptr) {
       capture->lse_.resize(static_cast<std::size_t>(batch * h_ * nq));
       p.lse = capture->lse_.data();
@@ -701,24 +712,11 @@ class ScaledDotProductAttention {
     linear_backward(fc_o_, grad_output.data(), d_model_, s.att_.data(), rows_q, g.fc_o, d_att.data(), device);
 
     // The attention core.
-    p.batch = batch;
-    p.heads = h_;
-    p.nq = nq;
-    p.nk = nk;
-    p.d_k = d_k_;
-    p.d_v = d_v_;
+    fill_problem(p, batch, nq, nk, options, options.causal);
     p.q = {s.q_, nq * s.ldq_, s.ldq_, d_k_};
     p.k = {s.k_, nk * s.ldk_, s.ldk_, d_k_};
     p.v = {s.v_, nk * s.ldv_, s.ldv_, d_v_};
     p.out = {const_cast<Scalar*>(s.att_.data()), nq * hv, hv, d_v_};
-    p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
-    p.causal = options.causal;
-    p.window_left = options.window_left;
-    p.window_right = options.window_right;
-    p.key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
-    p.alibi = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
-    p.query_offset = nk - nq;
-    p.masked_rows = masked_rows_;
     p.lse = const_cast<Scalar*>(s.lse_.data());
     p.dropout = s.dropout_;
     p.sampler = s.sampler_;
@@ -855,30 +853,13 @@ class ScaledDotProductAttention {
     p.mask = make_broadcast_view(options.attention_mask, full, where, "attention_mask");
     p.weights = make_broadcast_view(options.attention_weights, full, where, "attention_weights");
     p.bias = make_broadcast_view(options.attention_bias, full, where, "attention_bias");
-    p.batch = batch;
-    p.heads = h_;
-    p.nq = nq;
-    p.nk = nk;
-    p.d_k = d_k_;
-    p.d_v = d_v_;
+    fill_problem(p, batch, nq, nk, options, causal);
     p.q = {q, nq * hk, hk, d_k_};
     p.k = {cache.key_rows(0), cache.capacity() * hk, hk, d_k_};
     p.v = {cache.value_rows(0), cache.capacity() * hv, hv, d_v_};
     p.out = {att, nq * hv, hv, d_v_};
-    p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
-    p.causal = causal;
-    p.window_left = options.window_left;
-    p.window_right = options.window_right;
-    p.key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
-    p.alibi = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
-    p.query_offset = nk - nq;
-    p.masked_rows = masked_rows_;
     p.probabilities = options.probabilities != nullptr ? options.probabilities->data() : nullptr;
-    if (training_ && dropout_ > Scalar(0)) {
-      p.dropout = true;
-      p.sampler = DropoutSampler(seed_, calls_.fetch_add(1), static_cast<double>(dropout_));
-      p.keep_scale = dropout_ >= Scalar(1) ? Scalar(0) : Scalar(1) / (Scalar(1) - dropout_);
-    }
+    draw_dropout(p);
     if (kernel_ == Kernel::kReference)
       kernels::reference_attention(p, options.device);
     else if (kernels::decode_suits(p))

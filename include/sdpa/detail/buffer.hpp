@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <new>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -68,6 +70,15 @@ class Buffer {
   Scalar* data_ = nullptr;
   std::size_t size_ = 0;
 };
+
+// The first 64-byte-aligned element of buf: scratch that kernels keep in std::vectors (allocated a cache
+// line longer than needed) starts on a cache line, so that how Eigen and the kernels split it into packets,
+// hence their rounding, never depends on where an allocation landed.
+template <typename T>
+T* cache_line_start(std::vector<T>& buf) noexcept {
+  const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
+  return buf.data() + ((64 - addr % 64) % 64) / sizeof(T);
+}
 
 }  // namespace detail
 }  // namespace sdpa

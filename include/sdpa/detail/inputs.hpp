@@ -8,7 +8,6 @@
 #include "sdpa/detail/eigen.hpp"
 
 #include <array>
-#include <optional>
 #include <type_traits>
 
 namespace sdpa {
@@ -68,8 +67,17 @@ class InputView {
   using Index = Eigen::Index;
   using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
 
+  InputView() = default;
   template <typename T>
   explicit InputView(const T& t) {
+    assign(t);
+  }
+  InputView(const InputView&) = delete;
+  InputView& operator=(const InputView&) = delete;
+
+  // Views `t` (or evaluates it into the owned copy).
+  template <typename T>
+  void assign(const T& t) {
     if constexpr (IsInPlace<T>::value) {
       data_ = t.data();
       dims_ = {t.dimension(0), t.dimension(1), t.dimension(2)};
@@ -79,8 +87,6 @@ class InputView {
       dims_ = {owned_.dimension(0), owned_.dimension(1), owned_.dimension(2)};
     }
   }
-  InputView(const InputView&) = delete;
-  InputView& operator=(const InputView&) = delete;
 
   const Scalar* data() const noexcept { return data_; }
   const std::array<Index, 3>& dims() const noexcept { return dims_; }
@@ -99,10 +105,16 @@ class Inputs {
   template <typename Q, typename K, typename V>
   Inputs(const Q& q, const K& k, const V& v) : q_(q) {
     k_ = shared(k, q, q_);
-    if (k_ == nullptr) k_ = &k_own_.emplace(k);
+    if (k_ == nullptr) {
+      k_own_.assign(k);
+      k_ = &k_own_;
+    }
     v_ = shared(v, q, q_);
     if (v_ == nullptr) v_ = shared(v, k, *k_);
-    if (v_ == nullptr) v_ = &v_own_.emplace(v);
+    if (v_ == nullptr) {
+      v_own_.assign(v);
+      v_ = &v_own_;
+    }
   }
 
   const InputView<Scalar>& q() const noexcept { return q_; }
@@ -121,7 +133,9 @@ class Inputs {
   }
 
   InputView<Scalar> q_;
-  std::optional<InputView<Scalar>> k_own_, v_own_;
+  // Plain members rather than std::optional: GCC 12 at -O3 reports a false -Wmaybe-uninitialized through
+  // optional<InputView>::emplace. An unused view holds an empty tensor, which allocates nothing.
+  InputView<Scalar> k_own_, v_own_;
   const InputView<Scalar>* k_ = nullptr;
   const InputView<Scalar>* v_ = nullptr;
 };

@@ -12,6 +12,8 @@
 
 #include "sdpa/detail/eigen.hpp"
 
+#include "sdpa/detail/buffer.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -184,10 +186,7 @@ class TiledBackward {
   using Row = Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
   using ConstRow = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
 
-  static Scalar* aligned(std::vector<Scalar>& buf) noexcept {
-    const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
-    return buf.data() + ((64 - addr % 64) % 64) / sizeof(Scalar);
-  }
+  static Scalar* aligned(std::vector<Scalar>& buf) noexcept { return sdpa::detail::cache_line_start(buf); }
 
   void run_group(Index b, Index h, Index q0, Index rows) {
     const AttentionProblem<Scalar>& p = p_;

@@ -14,6 +14,8 @@
 
 #include "sdpa/detail/eigen.hpp"
 
+#include "sdpa/detail/buffer.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -136,10 +138,7 @@ class TileScorer {
  private:
   static constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
 
-  static Scalar* aligned(std::vector<Scalar>& buf) noexcept {
-    const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
-    return buf.data() + ((64 - addr % 64) % 64) / sizeof(Scalar);
-  }
+  static Scalar* aligned(std::vector<Scalar>& buf) noexcept { return sdpa::detail::cache_line_start(buf); }
 
   // Finds each row's visible keys in the tile and the rectangle of rows and keys that holds any. Returns
   // false when no row sees a key of the tile.
@@ -252,10 +251,7 @@ class TiledForward {
  private:
   static constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
 
-  static Scalar* aligned(std::vector<Scalar>& buf) noexcept {
-    const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
-    return buf.data() + ((64 - addr % 64) % 64) / sizeof(Scalar);
-  }
+  static Scalar* aligned(std::vector<Scalar>& buf) noexcept { return sdpa::detail::cache_line_start(buf); }
 
   // p = exp(s - lse) for the visible keys, 0 for hidden ones, the policy's value in rows that see nothing:
   // the scores again (the same products and pipeline, so the same values), normalised by each row's
