@@ -550,6 +550,7 @@ class ScaledDotProductAttention {
     // Checked: from here on nothing throws but an allocation failure.
     if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, nk);
     Tensor3 result(batch, nq, d_model_);
+    detail::advise_huge_pages(result.data(), static_cast<std::size_t>(result.size()) * sizeof(Scalar));
     if (capture != nullptr) start_capture(*capture, qv, kv, vv, options);
     if (result.size() == 0) return result;
 

@@ -18,6 +18,24 @@
 namespace sdpa {
 namespace detail {
 
+// Advises the 2 MiB pages wholly inside [p, p + bytes) for transparent huge pages, before anything touches
+// them. For memory sdpa does not allocate itself (the output tensor, which Eigen allocates with malloc: from
+// 32 MiB on, glibc maps every one afresh, so each call would otherwise fault it in 4 KiB at a time). Advice
+// only: failure, or memory already touched, changes nothing but speed.
+inline void advise_huge_pages(void* p, std::size_t bytes) noexcept {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
+  if (p == nullptr || bytes < 2 * kHuge) return;
+  const auto begin = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t first = (begin + kHuge - 1) / kHuge * kHuge;
+  const std::uintptr_t last = (begin + bytes) / kHuge * kHuge;
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 template <typename Scalar>
 class Buffer {
  public:
@@ -55,9 +73,7 @@ class Buffer {
     bytes = (bytes + align - 1) / align * align;  // aligned_alloc wants a multiple of the alignment
     void* p = std::aligned_alloc(align, bytes);
     if (p == nullptr) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (align == kHuge) madvise(p, bytes, MADV_HUGEPAGE);  // advice only: failure changes nothing
-#endif
+    if (align == kHuge) advise_huge_pages(p, bytes);
     data_ = static_cast<Scalar*>(p);
     size_ = count;
   }

@@ -280,10 +280,26 @@ class TiledForward {
 
   // Whether the v rows of the tile's computed keys [j0, j1) are all finite (only asked for tiles with
   // hidden keys inside their rectangle; keys outside it may not even be projected).
-  bool values_finite(const Tile<Scalar>& t) const {
+  // The answer is remembered per key block as the interval of its keys known finite: the query blocks of a
+  // group visit each key block in turn, and under a window or causal mask nearly every tile has hidden keys.
+  bool values_finite(const Tile<Scalar>& t) {
+    const Index bh = t.b * p_.heads + t.h;
+    if (bh != finite_bh_ || t.k0 != finite_k0_) {
+      finite_bh_ = bh;
+      finite_k0_ = t.k0;
+      finite_lo_ = finite_hi_ = 0;
+    }
+    if (finite_lo_ <= t.j0 && t.j1 <= finite_hi_) return true;
     for (Index j = t.j0; j < t.j1; ++j)
       if (!Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(p_.v.row(t.b, t.h, t.k0 + j), p_.d_v).allFinite())
         return false;
+    if (finite_hi_ <= finite_lo_ || t.j1 < finite_lo_ || t.j0 > finite_hi_) {
+      finite_lo_ = t.j0;
+      finite_hi_ = t.j1;
+    } else {
+      finite_lo_ = std::min(finite_lo_, t.j0);
+      finite_hi_ = std::max(finite_hi_, t.j1);
+    }
     return true;
   }
 
@@ -304,6 +320,8 @@ class TiledForward {
   std::vector<Scalar> o_buf_;
   std::vector<SoftmaxRow<Scalar>> rows_;
   std::vector<std::uint32_t> bits_;  // one row's dropout words (block_k + 8)
+  // values_finite's memory: keys [finite_lo_, finite_hi_) of key block finite_k0_ of (batch, head) finite_bh_.
+  Index finite_bh_ = -1, finite_k0_ = -1, finite_lo_ = 0, finite_hi_ = 0;
 };
 
 // The block sizes a problem runs with: the config's fields, zero ones derived from the caches, each no
