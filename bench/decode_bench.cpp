@@ -3,9 +3,10 @@
 //                                                 entries (the cache is truncated back after each step)
 //   decode/recompute/N:<n>/threads:1              forward(x, x, x, {causal}) over all n + 1 tokens: what a
 //                                                 step replaces
-//   decode/read/bytes:<B>/threads:1               a STREAM-like sum over B bytes, B = what the batch-1 step
+//   decode/read/bytes:<B>/threads:<t>             a STREAM-like sum over B bytes, B = what the batch-1 step
 //                                                 at that cache reads (its keys and values + the four weight
 //                                                 matrices): the machine's read-bandwidth bound, same run
+//                                                 (on 2 threads each sums one half)
 //   decode/torch/cache:<n>/batch:1/threads:1      the same step as Hugging Face's loop in LibTorch ops (cat of
 //                                                 past keys and values, attention, fc_o), same weights
 //   decode/generate/N:4096/threads:1              4096 tokens one by one from an empty cache (one iteration)
@@ -97,14 +98,23 @@ void recompute_case(benchmark::State& state, Index n) {
   }
 }
 
-void read_case(benchmark::State& state, double bytes) {
+void read_case(benchmark::State& state, double bytes, int threads) {
   std::vector<float> buf(static_cast<std::size_t>(bytes / 4));
   for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i % 7);
+  const Eigen::ThreadPoolDevice* device = device_for(threads);
+  const Index n = static_cast<Index>(buf.size()), parts = threads;
+  std::vector<float> sums(static_cast<std::size_t>(parts));
   for (auto _ : state) {
-    // Eigen's vectorised sum (several packet accumulators), so that the additions keep up with the loads.
-    Eigen::Map<const Eigen::ArrayXf> a(buf.data(), static_cast<Eigen::Index>(buf.size()));
-    float s = a.sum();
-    benchmark::DoNotOptimize(s);
+    // Eigen's vectorised sum (several packet accumulators), so that the additions keep up with the loads; on
+    // two threads each sums one half.
+    sdpa::parallel_for(device, parts, 1, [&](Index p0, Index p1) {
+      for (Index part = p0; part < p1; ++part) {
+        const Index lo = n * part / parts, hi = n * (part + 1) / parts;
+        sums[static_cast<std::size_t>(part)] = Eigen::Map<const Eigen::ArrayXf>(buf.data() + lo, hi - lo).sum();
+      }
+    });
+    benchmark::DoNotOptimize(sums.data());
+    benchmark::ClobberMemory();
   }
   state.counters["bytes"] = bytes;
   state.counters["GBps"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
@@ -201,8 +211,15 @@ int main(int argc, char** argv) {
   add("decode/recompute/N:4096/threads:1", [](benchmark::State& s) { recompute_case(s, 4096); });
   for (Index n : {Index(128), Index(1024), Index(2048), Index(4095), Index(16383)}) {
     const double bytes = Decoding::step_bytes(n, 1);
-    add("decode/read/cache:" + std::to_string(n) + "/bytes:" + std::to_string(static_cast<long long>(bytes)) + "/threads:1",
-        [bytes](benchmark::State& s) { read_case(s, bytes); });
+    for (int threads : {1, 2})
+      add("decode/read/cache:" + std::to_string(n) + "/bytes:" + std::to_string(static_cast<long long>(bytes)) +
+              "/threads:" + std::to_string(threads),
+          [bytes, threads](benchmark::State& s) { read_case(s, bytes, threads); });
+  }
+  {
+    const double bytes = Decoding::step_bytes(2048, 8);  // the batch-8 step's bytes: its floor
+    add("decode/read/cache:2048/batch:8/bytes:" + std::to_string(static_cast<long long>(bytes)) + "/threads:1",
+        [bytes](benchmark::State& s) { read_case(s, bytes, 1); });
   }
 #ifdef SDPA_BENCH_WITH_TORCH
   for (Index n : {Index(128), Index(1024), Index(4096)})

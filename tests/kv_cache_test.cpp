@@ -131,6 +131,23 @@ TYPED_TEST(KVCacheTest, ChunkedStepsEqualTheCausalForward) {
   }
 }
 
+// Head sizes past the decoding kernel's register chunk (64 floats, 32 doubles) and not a multiple of it:
+// the chunked dot products and weighted sums and their remainders.
+TYPED_TEST(KVCacheTest, WideHeadsStepsEqualTheCausalForward) {
+  Rng rng(11);
+  const auto m = TestFixture::make_module(rng, 24, 80, 72, 3);
+  const Index n = 290;
+  const auto x = TestFixture::random3(rng, 2, n, 24);
+  typename TestFixture::Options causal;
+  causal.causal = true;
+  const auto full = m.forward(x, x, x, causal);
+  for (const std::vector<Index>& plan : {std::vector<Index>{1}, std::vector<Index>{7, 1, 16}}) {
+    typename TestFixture::Cache cache(m, 2);
+    const auto got = TestFixture::chunked(m, cache, x, plan, [](Index, Index) { return typename TestFixture::Options{}; });
+    EXPECT_LT(max_relative_error(got, sdpa_test::to_array3(full)), TestFixture::tol()) << "chunks " << plan[0];
+  }
+}
+
 TYPED_TEST(KVCacheTest, SlidingWindowStepsDropOldEntriesAndMatchTheForward) {
   Rng rng(2);
   const auto m = TestFixture::make_module(rng);
