@@ -1,4 +1,4 @@
-// What sdpa_bench and sdpa_peak_rss share: the benchmark configurations, their useful FLOP counts and a
+// What the benchmarks share: the configurations, their useful FLOP counts, the devices, the peak-RSS reading and a
 // fixture (module with PyTorch-default weights, deterministic inputs, causal mask) that both the sdpa and
 // the LibTorch cases read, so that the two sides always run the same computation on the same data.
 #pragma once
@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +18,24 @@ namespace sdpa_bench {
 using Index = Eigen::Index;
 using Module = sdpa::ScaledDotProductAttention<float>;
 using Tensor3 = Module::Tensor3;
+
+// The benchmarks' devices: none on one thread (sdpa runs on the calling thread), one process-wide pool of two
+// threads otherwise.
+inline const Eigen::ThreadPoolDevice* device_for(int threads) {
+  if (threads <= 1) return nullptr;
+  static Eigen::ThreadPool pool(2);
+  static Eigen::ThreadPoolDevice device(&pool, 2);
+  return &device;
+}
+
+// This process's peak resident set size (VmHWM) in MiB; -1 where /proc does not tell.
+inline double vm_hwm_mib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::atof(line.c_str() + 6) / 1024.0;
+  return -1;
+}
 
 struct Config {
   std::string name;  // benchmark name prefix, e.g. "long/N:4096"

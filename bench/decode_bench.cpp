@@ -34,13 +34,6 @@ namespace {
 
 using Cache = sdpa::KVCache<float>;
 
-const Eigen::ThreadPoolDevice* device_for(int threads) {
-  if (threads <= 1) return nullptr;
-  static Eigen::ThreadPool pool(2);
-  static Eigen::ThreadPoolDevice device(&pool, 2);
-  return &device;
-}
-
 // The module and tokens every case uses (PyTorch's default init, deterministic inputs).
 struct Decoding {
   Config cfg = long_config(1, false);
@@ -165,14 +158,6 @@ void torch_case(benchmark::State& state, Index n) {
   }
 }
 #endif
-
-double vm_hwm_mib() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::atof(line.c_str() + 6) / 1024.0;
-  return -1;
-}
 
 template <typename F>
 void add(const std::string& name, F f) {

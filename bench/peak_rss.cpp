@@ -36,14 +36,6 @@ double peak_rss_mib() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
 }
 
-double vm_hwm_mib() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::atof(line.c_str() + 6) / 1024.0;  // kB
-  return -1;
-}
-
 int usage(const char* argv0) {
   std::fprintf(stderr, "usage: %s sdpa|torch N CAUSAL(0|1)\n", argv0);
   return 2;
@@ -143,6 +135,6 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"impl\": \"%s\", \"N\": %ld, \"causal\": %d, \"peak_rss_mib\": %.1f, \"startup_rss_mib\": %.1f, "
       "\"setup_rss_mib\": %.1f, \"vm_hwm_mib\": %.1f, \"mask_mib\": %.1f, \"checksum\": %.6g}\n",
-      impl.c_str(), n, causal ? 1 : 0, peak, startup, setup, vm_hwm_mib(), mask_mib, static_cast<double>(checksum));
+      impl.c_str(), n, causal ? 1 : 0, peak, startup, setup, sdpa_bench::vm_hwm_mib(), mask_mib, static_cast<double>(checksum));
   return 0;
 }

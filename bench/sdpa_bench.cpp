@@ -98,13 +98,6 @@ Options parse_options(int* argc, char** argv) {
   return opt;
 }
 
-const Eigen::ThreadPoolDevice* device_for(int threads) {
-  if (threads <= 1) return nullptr;  // no device: sdpa runs on the calling thread
-  static Eigen::ThreadPool pool(2);
-  static Eigen::ThreadPoolDevice device(&pool, 2);
-  return &device;
-}
-
 // The case being run: one configuration's fixture (and LibTorch peer) at a time, since the cases of a
 // configuration are registered next to each other; the long cases' inputs and masks do not pile up.
 struct Current {

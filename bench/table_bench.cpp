@@ -29,13 +29,6 @@ double peer_flops(const TableConfig& c) {
   return proj + 2.0 * static_cast<double>(c.batch) * 8 * pairs * 2 * static_cast<double>(c.d_k);
 }
 
-const Eigen::ThreadPoolDevice* device_for(int threads) {
-  if (threads <= 1) return nullptr;
-  static Eigen::ThreadPool pool(2);
-  static Eigen::ThreadPoolDevice device(&pool, 2);
-  return &device;
-}
-
 void run(benchmark::State& state, const TableConfig& tc, int threads) {
   Config c = long_config(tc.n, false);
   c.batch = tc.batch;

@@ -25,13 +25,6 @@
 namespace sdpa_bench {
 namespace {
 
-const Eigen::ThreadPoolDevice* device_for(int threads) {
-  if (threads <= 1) return nullptr;
-  static Eigen::ThreadPool pool(2);
-  static Eigen::ThreadPoolDevice device(&pool, 2);
-  return &device;
-}
-
 struct TrainingCase {
   Fixture f;
   Tensor3 grad;
@@ -116,14 +109,6 @@ void torch_case(benchmark::State& state, const Config& c) {
   counters(state, c, 3.0);
 }
 #endif
-
-double vm_hwm_mib() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::atof(line.c_str() + 6) / 1024.0;
-  return -1;
-}
 
 }  // namespace
 }  // namespace sdpa_bench

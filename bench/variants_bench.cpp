@@ -26,13 +26,6 @@
 namespace sdpa_bench {
 namespace {
 
-const Eigen::ThreadPoolDevice* device_for(int threads) {
-  if (threads <= 1) return nullptr;
-  static Eigen::ThreadPool pool(2);
-  static Eigen::ThreadPoolDevice device(&pool, 2);
-  return &device;
-}
-
 // Keys visible to each query under the case's options (for the FLOP count), per batch entry.
 double visible_pairs(const std::string& variant, Index n, const std::vector<Index>& lengths) {
   if (variant == "causal" || variant == "causal_mask") return static_cast<double>(n) * static_cast<double>(n + 1) / 2;
@@ -124,14 +117,6 @@ void register_case(const std::string& group, const std::string& variant, Index b
     state.counters["GFLOP"] = vc.flops() / 1e9;
     state.counters["nthreads"] = threads;
   })->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
-}
-
-double vm_hwm_mib() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::atof(line.c_str() + 6) / 1024.0;
-  return -1;
 }
 
 }  // namespace

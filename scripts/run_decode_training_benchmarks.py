@@ -9,8 +9,6 @@ backward, PyTorch autograd in LibTorch), checks their targets, and writes the "D
 import argparse
 import json
 import os
-import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -18,35 +16,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(cmd, **kw):
-    print("+", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
-    return subprocess.run(cmd, check=True, **kw)
+from benchlib import bench as _bench, replace_section, run, times  # noqa: E402
 
 
-def bench(exe, flt, reps, out, extra=()):
-    run([exe, f"--benchmark_filter={flt}", f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.5",
-         f"--benchmark_out={out}", "--benchmark_out_format=json", *extra], stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        data = json.load(f)
-    times = {}
-    for b in data["benchmarks"]:
-        if b.get("run_type") == "aggregate":
-            continue
-        name = re.sub(r"(/iterations:[0-9]+)?/real_time$", "", b["run_name"])
-        scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
-        times.setdefault(name, []).append(b["real_time"] * scale)
-    return times, data.get("context", {})
-
-
-def replace_section(path, begin, end, lines):
-    text = open(path).read() if os.path.exists(path) else ""
-    section = "\n".join([begin] + lines + [end])
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+def bench(exe, flt, reps, out):
+    runs, context = _bench(exe, flt, reps, out)
+    return times(runs), context
 
 
 def main():

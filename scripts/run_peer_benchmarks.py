@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -31,30 +30,17 @@ IMPLS = [("seed", "PyTorch 2.6, module ops"), ("sdpa2", "PyTorch 2.6 SDPA"), ("o
          ("ort_mha", "ORT MultiHeadAttention"), ("ort_dnnl", "ORT + oneDNN EP")]
 
 
-DRY_RUN = [False]
+DRY_RUN = [False]  # --report-only: read the last run's JSON files instead of running
 
 
-def run(cmd, **kw):
-    print("+", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
-    if DRY_RUN[0]:
-        return None
-    return subprocess.run(cmd, check=True, **kw)
+from benchlib import bench as _bench, load, ms, replace_section, run  # noqa: E402
 
 
 def bench(exe, flt, reps, out):
-    run([exe, f"--benchmark_filter={flt}", f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.5",
-         f"--benchmark_out={out}", "--benchmark_out_format=json"], stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        data = json.load(f)
-    runs = {}
-    for b in data["benchmarks"]:
-        if b.get("run_type") == "aggregate":
-            continue
-        name = re.sub(r"/real_time$", "", b["run_name"])
-        scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
-        gflops = b["GFLOPs"] if "GFLOPs" in b else b.get("FLOPS", 0.0) / 1e9  # gemm_bench counts in GFLOP/s
-        runs.setdefault(name, []).append((b["real_time"] * scale, gflops))
-    return runs, data.get("context", {})
+    """case name -> [(ms, GFLOP/s)] per repetition (gemm_bench counts GFLOPs, the others FLOPS)."""
+    runs, context = load(out) if DRY_RUN[0] else _bench(exe, flt, reps, out)  # --report-only: the last run's
+    return {name: [(ms(b), b["GFLOPs"] if "GFLOPs" in b else b.get("FLOPS", 0.0) / 1e9) for b in records]
+            for name, records in runs.items()}, context
 
 
 def main():
@@ -178,14 +164,7 @@ def main():
             lines.append(f"| {label}, 1 thread, end to end, % of the FMA peak | {pct:.0f}% | >= {need}% | "
                          f"{'**PASS**' if pct >= need else '**FAIL**'} |")
     lines += ["", END]
-    text = open(args.out).read() if os.path.exists(args.out) else ""
-    section = "\n".join(lines)
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(args.out, "w") as f:
-        f.write(text)
+    replace_section(args.out, BEGIN, END, lines[1:-1])
     print("\n".join(lines[-2 * len(targets) - 12:]))
     return 0
 

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -22,23 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- variants:begin -->", "<!-- variants:end -->"
 
 
-def run(cmd, **kw):
-    print("+", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
-    return subprocess.run(cmd, check=True, **kw)
+from benchlib import load as _load, replace_section, run, times  # noqa: E402
 
 
 def load(path):
     """name -> list of real times in ms, one per repetition."""
-    with open(path) as f:
-        data = json.load(f)
-    times = {}
-    for b in data["benchmarks"]:
-        if b.get("run_type") == "aggregate":
-            continue
-        name = re.sub(r"/process_time/real_time$", "", b["run_name"] if "run_name" in b else b["name"])
-        scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
-        times.setdefault(name, []).append(b["real_time"] * scale)
-    return times, data.get("context", {})
+    runs, context = _load(path)
+    return times(runs), context
 
 
 def main():
@@ -155,14 +144,7 @@ def main():
     except ImportError:
         print("matplotlib missing (python3-matplotlib): no plot", file=sys.stderr)
 
-    text = open(args.out).read() if os.path.exists(args.out) else ""
-    section = "\n".join(lines) + "\n"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section.rstrip("\n") + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    with open(args.out, "w") as f:
-        f.write(text)
+    replace_section(args.out, BEGIN, END, lines[1:-1])
     print("\n".join(targets))
     return 0
 

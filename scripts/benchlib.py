@@ -1,0 +1,57 @@
+"""What the benchmark scripts share: running a command, running a Google Benchmark executable and reading its
+JSON (every repetition of every case by name), and replacing one marked section of bench/RESULTS.md."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+_SUFFIX = re.compile(r"(/iterations:[0-9]+)?(/process_time)?/real_time$")
+_MS = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}
+
+
+def run(cmd, **kw):
+    print("+", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def load(path):
+    """(case name -> list of its runs' JSON records, the run's context); aggregates are left out."""
+    with open(path) as f:
+        data = json.load(f)
+    runs = {}
+    for b in data["benchmarks"]:
+        if b.get("run_type") == "aggregate":
+            continue
+        runs.setdefault(_SUFFIX.sub("", b.get("run_name", b["name"])), []).append(b)
+    return runs, data.get("context", {})
+
+
+def bench(exe, flt, reps, out, extra=()):
+    """Runs exe's cases matching flt reps times each (JSON to out) and loads them."""
+    run([exe, f"--benchmark_filter={flt}", f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.5",
+         f"--benchmark_out={out}", "--benchmark_out_format=json", *extra], stdout=subprocess.DEVNULL)
+    return load(out)
+
+
+def ms(record):
+    """A run's real time in milliseconds."""
+    return record["real_time"] * _MS[record["time_unit"]]
+
+
+def times(runs):
+    """case name -> real times in ms, one per repetition."""
+    return {name: [ms(b) for b in records] for name, records in runs.items()}
+
+
+def replace_section(path, begin, end, lines):
+    """Writes begin, lines, end into path in place of the section between the markers (appended if absent)."""
+    text = open(path).read() if os.path.exists(path) else ""
+    section = "\n".join([begin] + lines + [end])
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(text)
