@@ -606,6 +606,55 @@ TYPED_TEST(ModuleTest, DemoShape) {
   for (Index i = 0; i < out.size(); ++i) ASSERT_TRUE(std::isfinite(out.data()[i])) << i;
 }
 
+// forward keeps its scratch between calls; a later call reuses buffers that hold an earlier call's values
+// (here NaN from a NaN input, and a larger shape), and must give exactly what a module without kept
+// scratch gives: nothing may read what the call itself did not write (hidden keys' rows included).
+TYPED_TEST(ModuleTest, ScratchKeptBetweenCallsDoesNotChangeResults) {
+  using T = TypeParam;
+  using Tensor3 = typename TestFixture::Tensor3;
+  Rng rng(15);
+  auto m = TestFixture::make_module(rng, 16, 4, 6, 3);
+  EXPECT_EQ(m.scratch_bytes(), 0u);
+  const Tensor3 big = TestFixture::random3(rng, 3, 40, 16);
+  Tensor3 poisoned = big;
+  for (Index i = 0; i < poisoned.size(); ++i) poisoned.data()[i] = std::numeric_limits<T>::quiet_NaN();
+  const Tensor3 q = TestFixture::random3(rng, 2, 9, 16), kv = TestFixture::random3(rng, 2, 13, 16);
+  sdpa::AttentionOptions<T> lengths;
+  lengths.key_lengths = {5, 13};
+  // What each call gives on a module that keeps nothing.
+  auto fresh = [&](const Tensor3& a, const Tensor3& b, const sdpa::AttentionOptions<T>& o) {
+    m.release_scratch();
+    EXPECT_EQ(m.scratch_bytes(), 0u);
+    return Tensor3(m.forward(a, b, b, o));
+  };
+  const Tensor3 self_expected = fresh(big, big, {}), cross_expected = fresh(q, kv, lengths),
+               self_q_expected = fresh(q, q, {});
+  const Mask padding = sdpa::key_padding_mask({5, 13}, 13);
+  EXPECT_LT(max_relative_error(cross_expected, TestFixture::ref(m, q, kv, kv, &padding)), TestFixture::tol());
+  m.release_scratch();
+  const Tensor3 nan_out = m.forward(poisoned, poisoned, poisoned);
+  EXPECT_TRUE(std::isnan(nan_out(0, 0, 0)));
+  EXPECT_GE(m.scratch_bytes(), static_cast<std::size_t>(3 * 40 * (2 * 3 * 4 + 3 * 6)) * sizeof(T));  // q|k|v at least
+  std::size_t held = 0;
+  for (int round = 0; round < 3; ++round) {
+    TestFixture::expect_identical(m.forward(q, kv, kv, lengths), cross_expected);
+    TestFixture::expect_identical(m.forward(q, q, q), self_q_expected);
+    TestFixture::expect_identical(m.forward(big, big, big), self_expected);
+    m.forward(poisoned, poisoned, poisoned);
+    if (round == 1) held = m.scratch_bytes();
+  }
+  EXPECT_EQ(m.scratch_bytes(), held);  // the same calls again: nothing new kept
+  EXPECT_LE(held, sdpa::detail::ScratchPool<T>::kSlots * static_cast<std::size_t>(3 * 40 * (2 * 3 * 4 + 3 * 6)) * sizeof(T));
+  // A copy keeps nothing of the original's; a move takes it along.
+  const auto copy = m;
+  EXPECT_EQ(copy.scratch_bytes(), 0u);
+  EXPECT_GT(m.scratch_bytes(), 0u);
+  const auto moved = std::move(m);
+  EXPECT_EQ(moved.scratch_bytes(), held);
+  moved.release_scratch();
+  EXPECT_EQ(moved.scratch_bytes(), 0u);
+}
+
 // ------------------------------------------------------------------------------------------ state
 
 TYPED_TEST(ModuleTest, DefaultConstructionState) {

@@ -15,6 +15,7 @@
 
 #include "sdpa/detail/buffer.hpp"
 #include "sdpa/detail/inputs.hpp"
+#include "sdpa/detail/scratch_pool.hpp"
 #include "sdpa/forward_state.hpp"
 #include "sdpa/gradients.hpp"
 #include "sdpa/error.hpp"
@@ -286,6 +287,13 @@ class ScaledDotProductAttention {
   Scalar dropout() const noexcept { return dropout_; }
   void set_dropout(Scalar p) { dropout_ = checked_dropout(p); }
 
+  // forward keeps its scratch (the projected q/k/v and the attention output before fc_o, up to 160 MB for
+  // the demo's shapes) from one call to the next, so that later calls do not pay the page faults of fresh
+  // memory (detail/scratch_pool.hpp); scratch_bytes() is what is kept now, release_scratch() frees it.
+  // Thread-safe: concurrent calls each take their own buffers.
+  std::size_t scratch_bytes() const { return scratch_.bytes(); }
+  void release_scratch() const { scratch_.clear(); }
+
   Index d_model() const noexcept { return d_model_; }
   Index d_k() const noexcept { return d_k_; }
   Index d_v() const noexcept { return d_v_; }
@@ -326,6 +334,7 @@ class ScaledDotProductAttention {
     swap(fc_k_, other.fc_k_);
     swap(fc_v_, other.fc_v_);
     swap(fc_o_, other.fc_o_);
+    scratch_.swap(other.scratch_);
   }
 
  private:
@@ -440,7 +449,7 @@ class ScaledDotProductAttention {
     Projected r;
     if (qk_same) {
       const Index ld = 2 * hk + hv;
-      r.qkv.reset(static_cast<std::size_t>(rows_q * ld));
+      r.qkv = scratch_.take(static_cast<std::size_t>(rows_q * ld));
       Scalar* base = r.qkv.data();
       const Target tq = target(fc_q_, base, ld), tk = target(fc_k_, base + hk, ld), tv = target(fc_v_, base + 2 * hk, ld);
       if (key_lengths == nullptr) {
@@ -458,12 +467,12 @@ class ScaledDotProductAttention {
       r.ldq = r.ldk = r.ldv = ld;
       return r;
     }
-    r.qkv.reset(static_cast<std::size_t>(rows_q * hk));
+    r.qkv = scratch_.take(static_cast<std::size_t>(rows_q * hk));
     pass(qv.data(), 0, rows_q, {target(fc_q_, r.qkv.data(), hk)});
     r.q = r.qkv.data();
     r.ldq = hk;
     if (rows_k == 0) return r;  // no keys: nothing to project, and no pointer into an empty buffer
-    r.kv_only.reset(static_cast<std::size_t>(rows_k * (hk + hv)));
+    r.kv_only = scratch_.take(static_cast<std::size_t>(rows_k * (hk + hv)));
     Scalar* base = r.kv_only.data();
     const Index ld = hk + hv;
     if (kv_same) {
@@ -557,7 +566,7 @@ class ScaledDotProductAttention {
     const Index hv = h_ * d_v_;
     Projected proj = project(qv, kv, vv, device, options.key_lengths.empty() ? nullptr : options.key_lengths.data());
 
-    detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * hv));
+    detail::Buffer<Scalar> att = scratch_.take(static_cast<std::size_t>(batch * nq * hv));
     fill_problem(p, batch, nq, nk, options, options.causal);
     p.q = {proj.q, nq * proj.ldq, proj.ldq, d_k_};
     p.k = {proj.k, nk * proj.ldk, proj.ldk, d_k_};
@@ -588,6 +597,10 @@ class ScaledDotProductAttention {
       capture->ldk_ = proj.ldk;
       capture->ldv_ = proj.ldv;
       capture->att_ = std::move(att);
+    } else {
+      scratch_.give(std::move(proj.qkv));
+      scratch_.give(std::move(proj.kv_only));
+      scratch_.give(std::move(att));
     }
     return result;
   }
@@ -939,6 +952,7 @@ class ScaledDotProductAttention {
   mutable std::atomic<std::uint64_t> calls_{0};
   std::uint64_t id_;  // which module a ForwardState came from (copies get their own, moves keep it)
   LinearType fc_q_, fc_k_, fc_v_, fc_o_;
+  mutable detail::ScratchPool<Scalar> scratch_;  // forward's buffers, kept between calls (scratch_pool.hpp)
 };
 
 }  // namespace sdpa

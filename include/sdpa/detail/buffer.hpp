@@ -43,17 +43,20 @@ class Buffer {
   explicit Buffer(std::size_t count) { reset(count); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
-  Buffer(Buffer&& other) noexcept : data_(other.data_), size_(other.size_) {
+  Buffer(Buffer&& other) noexcept : data_(other.data_), size_(other.size_), capacity_(other.capacity_) {
     other.data_ = nullptr;
     other.size_ = 0;
+    other.capacity_ = 0;
   }
   Buffer& operator=(Buffer&& other) noexcept {
     if (this != &other) {
       std::free(data_);
       data_ = other.data_;
       size_ = other.size_;
+      capacity_ = other.capacity_;
       other.data_ = nullptr;
       other.size_ = 0;
+      other.capacity_ = 0;
     }
     return *this;
   }
@@ -64,6 +67,7 @@ class Buffer {
     std::free(data_);
     data_ = nullptr;
     size_ = 0;
+    capacity_ = 0;
     if (count == 0) return;
     if (count > std::numeric_limits<std::size_t>::max() / sizeof(Scalar)) throw std::bad_alloc();
     constexpr std::size_t kHuge = std::size_t{2} << 20;
@@ -76,7 +80,13 @@ class Buffer {
     if (align == kHuge) advise_huge_pages(p, bytes);
     data_ = static_cast<Scalar*>(p);
     size_ = count;
+    capacity_ = count;
   }
+
+  // The first `count` elements of the storage this buffer already holds, without allocating; count at
+  // most capacity() (what the last reset allocated). The contents are kept.
+  void shrink_to(std::size_t count) noexcept { size_ = count <= capacity_ ? count : capacity_; }
+  std::size_t capacity() const noexcept { return capacity_; }
 
   Scalar* data() noexcept { return data_; }
   const Scalar* data() const noexcept { return data_; }
@@ -85,6 +95,7 @@ class Buffer {
  private:
   Scalar* data_ = nullptr;
   std::size_t size_ = 0;
+  std::size_t capacity_ = 0;
 };
 
 // The first 64-byte-aligned element of buf: scratch that kernels keep in std::vectors (allocated a cache
