@@ -50,12 +50,14 @@ void gemm_nn_add(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a
 
 // y[rows, out] (leading dimension ldy) = x[rows, in] (ldx) * w[out, in]^T + b[out]: sdpa::gemm's
 // register-blocked kernels (Eigen's products where the target ISA has none), split over the device's
-// threads by blocks of y, never of the sum, so any number of threads gives the same bits.
+// threads by blocks of y, never of the sum, so any number of threads gives the same bits. The packed
+// blocks live in the calling thread's workspace (5 MB for the demo's shapes, kept between calls: fresh
+// ones cost their page faults on every call).
 template <typename Scalar>
 void gemm_bias_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const Scalar* w,
                     Eigen::Index out, const Scalar* b, Scalar* y, Eigen::Index ldy,
                     const Eigen::ThreadPoolDevice* device = nullptr) {
-  gemm::gemm_nt_bias<Scalar>(rows, out, in, x, ldx, w, in, b, y, ldy, device);
+  gemm::gemm_nt_bias<Scalar>(rows, out, in, x, ldx, w, in, b, y, ldy, device, &thread_workspace<Scalar>());
 }
 
 #ifdef SDPA_USE_ONEDNN
