@@ -273,6 +273,65 @@ TYPED_TEST(GemmTest, NtBiasMatchesReference) {
   }
 }
 
+// gemm_nt_bias_shared: several projections of one A into one fused C (side by side, as q | k | v), each
+// bit for bit what gemm_nt_bias gives it alone (which NtBiasMatchesReference checks against the
+// reference), on 1 and 2 threads, with nothing written outside the outputs.
+TYPED_TEST(GemmTest, SharedANtBiasMatchesEachProductAlone) {
+  using Scalar = TypeParam;
+  const gemm::Blocking& bl = gemm::blocking<Scalar>();
+  const std::vector<std::vector<Index>> widths = {
+      {bl.nr + 1, 0, 2 * bl.nc + 3}, {1, 7, 13}, {3 * bl.nr, bl.nr - 1}, {bl.nc, bl.nc, bl.nc}, {5}};
+  for (const Index m : {Index{1}, Index{13}, bl.mr + 1, Index{200}, bl.mc + 1}) {
+    for (const Index k : {Index{0}, Index{7}, bl.kc + 1}) {
+      for (const std::vector<Index>& ns : widths) {
+        if (m > 200 && k > 7) continue;  // the mc boundary needs only one depth
+        std::mt19937 gen(static_cast<unsigned>(m * 131 + k));
+        std::uniform_real_distribution<double> u(-1.0, 1.0);
+        const Index lda = k + 3;
+        Index total = 0;
+        for (Index n : ns) total += n;
+        const Index ldc = total + 5;
+        std::vector<Scalar> a(to_size(std::max<Index>(m * lda, 1)));
+        for (Scalar& x : a) x = Scalar(u(gen));
+        std::vector<std::vector<Scalar>> w(ns.size()), bias(ns.size());
+        std::vector<gemm::BiasedProduct<Scalar>> products;
+        std::vector<Scalar> fused(to_size((m + 1) * ldc), Operands<Scalar>::kSentinel);
+        Index offset = 0;
+        for (std::size_t o = 0; o < ns.size(); ++o) {
+          const Index ldw = k + 2;
+          w[o].resize(to_size(std::max<Index>(ns[o] * ldw, 1)));
+          for (Scalar& x : w[o]) x = Scalar(u(gen));
+          bias[o].resize(to_size(std::max<Index>(ns[o], 1)));
+          for (Scalar& x : bias[o]) x = Scalar(u(gen));
+          products.push_back({w[o].data(), ldw, ns[o], bias[o].data(), fused.data() + offset, ldc});
+          offset += ns[o];
+        }
+        const std::string what = "m=" + std::to_string(m) + " k=" + std::to_string(k) + " outputs=" +
+                                 std::to_string(ns.size());
+        std::vector<Scalar> one = fused, two = fused;
+        for (std::size_t o = 0; o < products.size(); ++o) products[o].c = one.data() + (products[o].c - fused.data());
+        gemm::gemm_nt_bias_shared<Scalar>(m, k, a.data(), lda, products.data(), products.size());
+        for (std::size_t o = 0; o < products.size(); ++o) products[o].c = two.data() + (products[o].c - one.data());
+        gemm::gemm_nt_bias_shared<Scalar>(m, k, a.data(), lda, products.data(), products.size(), two_threads());
+        EXPECT_TRUE(std::memcmp(one.data(), two.data(), one.size() * sizeof(Scalar)) == 0) << what << ": 2 threads differ";
+        // Each output alone, into a copy of the sentinel-filled buffer at the same place.
+        std::vector<Scalar> alone = fused;
+        offset = 0;
+        for (std::size_t o = 0; o < ns.size(); ++o) {
+          gemm::gemm_nt_bias(m, ns[o], k, a.data(), lda, w[o].data(), k + 2, bias[o].data(), alone.data() + offset, ldc);
+          offset += ns[o];
+        }
+        EXPECT_TRUE(std::memcmp(one.data(), alone.data(), one.size() * sizeof(Scalar)) == 0)
+            << what << ": differs from the products one by one (or wrote outside them)";
+        Index written = 0;
+        for (Index i = 0; i < m; ++i)
+          for (Index j = 0; j < total; ++j) written += one[to_size(i * ldc + j)] != Operands<Scalar>::kSentinel;
+        EXPECT_EQ(written, m * total) << what;
+      }
+    }
+  }
+}
+
 // The mc boundary: the only case with more than one block of rows (thousands of rows, so a narrow C).
 TYPED_TEST(GemmTest, RowBlockBoundary) {
   const gemm::Blocking& bl = gemm::blocking<TypeParam>();

@@ -8,6 +8,7 @@
 //   gemm_nt:      C[m, n] = alpha * A[m, k] B[n, k]^T + beta * C
 //   gemm_nn:      C[m, n] = alpha * A[m, k] B[k, n]   + beta * C
 //   gemm_nt_bias: C[m, n] = A[m, k] W[n, k]^T + bias[n]   (bias added as the tiles are stored)
+//   gemm_nt_bias_shared: several of those with the same A, which is packed once for all of them
 // beta = 0 never reads C (it may be uninitialised or NaN); alpha = 0 or k = 0 never reads A or B. Each
 // takes an optional device (nullptr: the calling thread) and an optional Workspace (workspace.hpp) that
 // keeps the packing scratch from one call to the next; a workspace serves one call at a time.
@@ -77,6 +78,43 @@ void gemm_nt_bias(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* 
     K::pack_b_rows(cols, kcp, w + j0 * ldw + p0, ldw, dst);
   };
   detail::gemm_loops<Scalar>(m, n, k, Scalar(1), a, lda, pack_b, Scalar(0), bias, c, ldc, device, workspace);
+}
+
+// One projection of gemm_nt_bias_shared: C[m, n] (ldc) = A W[n, k]^T (ldw) + bias[n].
+template <typename Scalar>
+struct BiasedProduct {
+  const Scalar* w;
+  Eigen::Index ldw;
+  Eigen::Index n;
+  const Scalar* bias;
+  Scalar* c;
+  Eigen::Index ldc;
+};
+
+// Several projections of the same A[m, k] (lda) at once (at most 8): every block of A is packed once for
+// all of them, and their tiles share one work queue. Each output gets the bits gemm_nt_bias gives it.
+template <typename Scalar>
+void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, const Scalar* a, Eigen::Index lda,
+                         const BiasedProduct<Scalar>* products, std::size_t count,
+                         const Eigen::ThreadPoolDevice* device = nullptr, Workspace<Scalar>* workspace = nullptr) {
+  using K = detail::Kernel<Scalar>;
+  struct PackW {
+    const Scalar* w;
+    Eigen::Index ldw;
+    void operator()(Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) const {
+      K::pack_b_rows(cols, kcp, w + j0 * ldw + p0, ldw, dst);
+    }
+  };
+  constexpr std::size_t kMax = 8;
+  eigen_assert(count <= kMax && "sdpa::gemm::gemm_nt_bias_shared: at most 8 products");
+  detail::Output<Scalar, PackW> outputs[kMax] = {};
+  for (std::size_t o = 0; o < count && o < kMax; ++o) {
+    const BiasedProduct<Scalar>& p = products[o];
+    detail::check_operands(m, p.n, k, lda, k, p.ldw, p.ldc);
+    outputs[o] = {p.n, PackW{p.w, p.ldw}, p.bias, p.c, p.ldc};
+  }
+  detail::gemm_loops<Scalar, PackW>(m, k, Scalar(1), a, lda, outputs, std::min(count, kMax), Scalar(0), device,
+                                    workspace);
 }
 
 }  // namespace SDPA_GEMM_ABI_NAMESPACE

@@ -48,7 +48,9 @@ inline Eigen::Index round_up(Eigen::Index a, Eigen::Index b) noexcept { return c
 // sliver for fewer tiles before the next one must come from L3. Both steps are multiples of the micro-tile.
 struct Split {
   static constexpr Eigen::Index kMinRows = 64;
-  Eigen::Index m_step, n_step, m_items, n_items;
+  Eigen::Index m_step = 0, n_step = 0, m_items = 0, n_items = 0;
+
+  Split() = default;
 
   Split(Eigen::Index rows, Eigen::Index cols, const Blocking& bl, Eigen::Index wanted) noexcept {
     const Eigen::Index min_rows = round_up(kMinRows, bl.mr);
@@ -90,26 +92,45 @@ void scale_only(Eigen::Index m, Eigen::Index n, Scalar beta, const Scalar* bias,
   }
 }
 
-// C[m, n] = alpha * A[m, k] B + beta * C (+ bias[n]), with A row-major and B reached through
+// One output of gemm_loops: C[m, n] (ldc) = alpha * A B + beta * C (+ bias[n]), with B reached through
 // pack_b(j0, cols, p0, kcp, dst), which packs B's columns [j0, j0 + cols) over k in [p0, p0 + kcp) into
 // nr-wide slivers at dst.
 template <typename Scalar, typename PackB>
-void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
-                const PackB& pack_b, Scalar beta, const Scalar* bias, Scalar* c, Eigen::Index ldc,
+struct Output {
+  Eigen::Index n;
+  PackB pack_b;
+  const Scalar* bias;
+  Scalar* c;
+  Eigen::Index ldc;
+};
+
+// The outputs' products with one A[m, k], row-major: each block of A is packed once for all of them (a
+// fused projection: q, k and v from the same rows), and their work items share one queue.
+template <typename Scalar, typename PackB>
+void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
+                const Output<Scalar, PackB>* outputs, std::size_t count, Scalar beta,
                 const Eigen::ThreadPoolDevice* device, Workspace<Scalar>* workspace) {
   using Index = Eigen::Index;
   using K = Kernel<Scalar>;
-  if (m <= 0 || n <= 0) return;
+  if (m <= 0) return;
   if (k <= 0 || alpha == Scalar(0)) {
-    scale_only(m, n, beta, bias, c, ldc);
+    for (std::size_t o = 0; o < count; ++o) scale_only(m, outputs[o].n, beta, outputs[o].bias, outputs[o].c, outputs[o].ldc);
     return;
   }
   const Blocking& bl = blocking<Scalar>();
   const Index kc = std::min(bl.kc, k);
   const Index mc = std::min(bl.mc, m);
   const Index wanted = min_items<Scalar>(worker_count(device));
-  const Split widest(mc, n, bl, wanted);
-  const Index workers = std::min<Index>(worker_count(device), widest.count());
+  // The split of each output over the first row block: how many items, and the widest B block.
+  Index items = 0, widest_cols = 0;
+  for (std::size_t o = 0; o < count; ++o) {
+    if (outputs[o].n <= 0) continue;
+    const Split split(mc, outputs[o].n, bl, wanted);
+    items += split.count();
+    widest_cols = std::max(widest_cols, split.n_step);
+  }
+  if (items == 0) return;
+  const Index workers = std::min<Index>(worker_count(device), items);
   // The shared A block, then one B block per worker, each starting on a cache line since the kernels load
   // B with aligned loads: in the caller's workspace, or one allocation for this call. sdpa::detail::Buffer
   // puts blocks of 2 MiB and more on huge pages: first-touch faults on 4 KiB pages cost fc_o some 15% on
@@ -117,14 +138,23 @@ void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, co
   // mmap'ed again).
   constexpr Index line = 64 / static_cast<Index>(sizeof(Scalar));
   const Index a_size = round_up(round_up(mc, K::mr) * kc, line);
-  const Index b_size = round_up(round_up(widest.n_step, K::nr) * kc, line);
+  const Index b_size = round_up(round_up(widest_cols, K::nr) * kc, line);
   Workspace<Scalar> local;
   Scalar* const a_block =
       (workspace != nullptr ? workspace : &local)->reserve(static_cast<std::size_t>(a_size + workers * b_size));
+  // At most a few outputs: their splits for this row block, found by a linear scan per item.
+  constexpr std::size_t kMaxOutputs = 8;
+  eigen_assert(count <= kMaxOutputs && "sdpa::gemm: too many outputs for one A");
 
   for (Index ic = 0; ic < m; ic += mc) {
     const Index rows = std::min(mc, m - ic);
-    const Split split(rows, n, bl, wanted);
+    Split splits[kMaxOutputs];
+    Index first_item[kMaxOutputs + 1] = {0};
+    for (std::size_t o = 0; o < count; ++o) {
+      if (outputs[o].n > 0) splits[o] = Split(rows, outputs[o].n, bl, wanted);
+      first_item[o + 1] = first_item[o] + splits[o].count();
+    }
+    const Index total = first_item[count];
     const Index slivers = ceil_div(rows, K::mr);
     for (Index p0 = 0; p0 < k; p0 += kc) {
       const Index kcp = std::min(kc, k - p0);
@@ -138,20 +168,35 @@ void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, co
       parallel_for(device, workers, 1, [&](Index w0, Index w1) {
         for (Index w = w0; w < w1; ++w) {
           Scalar* const b_block = a_block + a_size + w * b_size;
-          for (Index item = next.fetch_add(1, std::memory_order_relaxed); item < split.count();
+          for (Index item = next.fetch_add(1, std::memory_order_relaxed); item < total;
                item = next.fetch_add(1, std::memory_order_relaxed)) {
-            const Index i0 = item / split.n_items * split.m_step;
-            const Index j0 = item % split.n_items * split.n_step;
+            std::size_t o = 0;
+            while (item >= first_item[o + 1]) ++o;
+            const Output<Scalar, PackB>& out = outputs[o];
+            const Split& split = splits[o];
+            const Index local_item = item - first_item[o];
+            const Index i0 = local_item / split.n_items * split.m_step;
+            const Index j0 = local_item % split.n_items * split.n_step;
             const Index item_rows = std::min(split.m_step, rows - i0);
-            const Index cols = std::min(split.n_step, n - j0);
-            pack_b(j0, cols, p0, kcp, b_block);
-            const Epilogue<Scalar> ep{alpha, beta, bias != nullptr ? bias + j0 : nullptr, p0 == 0};
-            K::block(kcp, item_rows, cols, a_block + i0 * kcp, b_block, c + (ic + i0) * ldc + j0, ldc, ep);
+            const Index cols = std::min(split.n_step, out.n - j0);
+            out.pack_b(j0, cols, p0, kcp, b_block);
+            const Epilogue<Scalar> ep{alpha, beta, out.bias != nullptr ? out.bias + j0 : nullptr, p0 == 0};
+            K::block(kcp, item_rows, cols, a_block + i0 * kcp, b_block, out.c + (ic + i0) * out.ldc + j0, out.ldc, ep);
           }
         }
       });
     }
   }
+}
+
+// C[m, n] = alpha * A[m, k] B + beta * C (+ bias[n]): one output.
+template <typename Scalar, typename PackB>
+void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
+                const PackB& pack_b, Scalar beta, const Scalar* bias, Scalar* c, Eigen::Index ldc,
+                const Eigen::ThreadPoolDevice* device, Workspace<Scalar>* workspace) {
+  if (n <= 0) return;
+  const Output<Scalar, PackB> out{n, pack_b, bias, c, ldc};
+  gemm_loops<Scalar, PackB>(m, k, alpha, a, lda, &out, 1, beta, device, workspace);
 }
 
 }  // namespace detail

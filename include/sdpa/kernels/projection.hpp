@@ -9,6 +9,7 @@
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "sdpa/gemm/gemm.hpp"
@@ -101,12 +102,27 @@ struct ProjectionTarget {
   }
 };
 
-// Applies every target to the same input rows (the fused QKV projection: one call per layer, each split
-// over the device's threads).
+// Applies every target to the same input rows (the fused QKV projection): one product whose blocks of x
+// are packed once for all the targets, split over the device's threads (oneDNN: one call per target).
 template <typename Scalar>
 void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std::vector<ProjectionTarget<Scalar>>& targets,
                   const Eigen::ThreadPoolDevice* device) {
-  for (const auto& t : targets) gemm_bias_rows(x, rows, in, in, t.weight, t.out, t.bias, t.y, t.ldy, device);
+#ifdef SDPA_USE_ONEDNN
+  if constexpr (std::is_same<Scalar, float>::value) {
+    for (const auto& t : targets) gemm_bias_rows(x, rows, in, in, t.weight, t.out, t.bias, t.y, t.ldy, device);
+    return;
+  }
+#endif
+  constexpr std::size_t kGroup = 8;  // gemm_nt_bias_shared's limit
+  for (std::size_t t0 = 0; t0 < targets.size(); t0 += kGroup) {
+    gemm::BiasedProduct<Scalar> products[kGroup] = {};
+    const std::size_t count = std::min(kGroup, targets.size() - t0);
+    for (std::size_t i = 0; i < count; ++i) {
+      const ProjectionTarget<Scalar>& t = targets[t0 + i];
+      products[i] = {t.weight, in, t.out, t.bias, t.y, t.ldy};
+    }
+    gemm::gemm_nt_bias_shared<Scalar>(rows, in, x, in, products, count, device, &thread_workspace<Scalar>());
+  }
 }
 
 // The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
