@@ -6,9 +6,10 @@
 //       rounded down to a multiple of 8, within [16, 1024]. Float, AVX-512, mr = 12: 512; double: 256.
 //   nc  the packed B block (kc x nc) that each worker sweeps once per A sliver takes at most half of L2;
 //       rounded down to a multiple of nr. Float, AVX-512: 256.
-//   mc  the packed A block (mc x kc) that all workers share takes at most half of min(L3, 32 MiB): the cap
-//       because a VM's L3 figure may be the whole host's, and a block past a few MiB buys nothing (B is
-//       packed once per mc rows, so its cost falls as 1/mc); rounded down to a multiple of mr.
+//   mc  the block of A (mc x kc, read in place by gemm_loops, packed by PackedA) that all workers share
+//       takes at most half of min(L3, 32 MiB): the cap because a VM's L3 figure may be the whole host's,
+//       and a block past a few MiB buys nothing (B is packed once per mc rows, so its cost falls as 1/mc);
+//       rounded down to a multiple of mr.
 // kc depends on nothing but the kernel and the cache sizes, never on the problem or the thread count, so
 // the order in which an element's products are summed is fixed for a given build and machine.
 #pragma once

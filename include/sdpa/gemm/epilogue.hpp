@@ -49,6 +49,29 @@ struct LinePrefetch {
   }
 };
 
+// The same for rows of A in place: the next row of tiles' `rows` row segments of `width` values (leading
+// dimension ld), line by line, one line per k step.
+template <typename Scalar>
+struct RowLinesPrefetch {
+  static constexpr Eigen::Index kLine = 64 / static_cast<Eigen::Index>(sizeof(Scalar));
+  const Scalar* base = nullptr;
+  Eigen::Index ld = 0;
+  Eigen::Index rows = 0;
+  Eigen::Index width = 0;
+  Eigen::Index row = 0;
+  Eigen::Index done = 0;
+  const Scalar* next() noexcept {
+    if (row >= rows) return nullptr;
+    const Scalar* line = base + row * ld + done;
+    done += kLine;
+    if (done >= width) {
+      done = 0;
+      ++row;
+    }
+    return line;
+  }
+};
+
 // For tiles whose next A is not worth fetching (A in place, which the caller has just written).
 struct NoPrefetch {
   static constexpr const void* next() noexcept { return nullptr; }

@@ -63,7 +63,8 @@ struct Kernel {
     }
   }
 
-  // The same with A read where it lies, a[rows, kc] with leading dimension lda.
+  // The same with A read where it lies, a[rows, kc] with leading dimension lda (rows the caller has just
+  // written: in cache, nothing to prefetch).
   static void block_in_place(Index kc, Index rows, Index cols, const Scalar* a, Index lda, const Scalar* pb, Scalar* c,
                              Index ldc, const Epilogue<Scalar>& ep) noexcept {
     for (Index i = 0; i < rows; i += mr) {
@@ -71,10 +72,22 @@ struct Kernel {
     }
   }
 
+  // A in place from L3 or memory (a projection's input): as block does for packed A, the first tile of a
+  // row of tiles brings the next row's A segments to L2.
+  static void block_rows(Index kc, Index rows, Index cols, const Scalar* a, Index lda, const Scalar* pb, Scalar* c,
+                         Index ldc, const Epilogue<Scalar>& ep) noexcept {
+    for (Index i = 0; i < rows; i += mr) {
+      RowPrefetch next_a;
+      if (i + mr < rows) next_a = RowPrefetch{a + (i + mr) * lda, lda, std::min(mr, rows - i - mr), kc};
+      row_of_tiles(kc, std::min(mr, rows - i), InPlace{a + i * lda, lda}, cols, pb, c + i * ldc, ldc, ep, next_a);
+    }
+  }
+
  private:
   using Packed = PackedSliver<Scalar, mr>;
   using InPlace = RowsInPlace<Scalar>;
   using Prefetch = LinePrefetch<Scalar>;
+  using RowPrefetch = RowLinesPrefetch<Scalar>;
   template <typename ASource, typename P>
   using TileFn = void (*)(Index, ASource, const Scalar*, Scalar*, Index, Index, const Epilogue<Scalar>&, P);
 
@@ -126,6 +139,11 @@ struct Kernel {
   static void block(Index kc, Index rows, Index cols, const Scalar* pa, const Scalar* pb, Scalar* c, Index ldc,
                     const Epilogue<Scalar>& ep) noexcept {
     block_in_place(kc, rows, cols, pa, kc, pb, c, ldc, ep);
+  }
+
+  static void block_rows(Index kc, Index rows, Index cols, const Scalar* a, Index lda, const Scalar* pb, Scalar* c,
+                         Index ldc, const Epilogue<Scalar>& ep) noexcept {
+    block_in_place(kc, rows, cols, a, lda, pb, c, ldc, ep);
   }
 
   static void block_in_place(Index kc, Index rows, Index cols, const Scalar* pa, Index lda, const Scalar* pb, Scalar* c,

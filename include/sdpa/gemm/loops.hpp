@@ -1,12 +1,12 @@
 // The loops around the kernel for operands in their callers' memory (BLIS's five loops, with A and B
-// swapped to suit a row-major C), and the work split that both these loops and the packed API use.
-//   for each block of mc rows of A                      (A block: all workers share it, in L3)
+// swapped to suit a row-major C, and A read in place), and the work split that both these loops and the
+// packed API use.
+//   for each block of mc rows of A                      (read by all workers, from L3)
 //     for each k block of depth kc, in order           (never split: each C element sums its k blocks
 //                                                        in one order, so results do not depend on threads)
-//       pack the A block, its slivers spread over the workers
 //       for each work item (a range of rows x a range of at most nc columns), on any worker:
 //         pack the item's B columns into the worker's own buffer (in L2)
-//         for each A sliver, for each B sliver: micro-kernel
+//         for each mr rows of A (in L1 while the B slivers pass), for each B sliver: micro-kernel
 // The k blocks are the same for any number of workers, and so is every element's sequence of operations
 // in the micro-kernels, so results are bit-identical for any thread count (see min_items for Eigen's).
 #pragma once
@@ -131,17 +131,16 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
   }
   if (items == 0) return;
   const Index workers = std::min<Index>(worker_count(device), items);
-  // The shared A block, then one B block per worker, each starting on a cache line since the kernels load
-  // B with aligned loads: in the caller's workspace, or one allocation for this call. sdpa::detail::Buffer
-  // puts blocks of 2 MiB and more on huge pages: first-touch faults on 4 KiB pages cost fc_o some 15% on
-  // this VM, where glibc maps a fresh block for every call (a request as large as the last one freed is
-  // mmap'ed again).
+  // One B block per worker, each starting on a cache line since the kernels load B with aligned loads: in
+  // the caller's workspace, or one allocation for this call. sdpa::detail::Buffer puts blocks of 2 MiB and
+  // more on huge pages. A is read where it lies: packing it cost a projection 5-12% (a transposing copy
+  // of all of A per k block, and on two threads a barrier between the copy and the products) and bought
+  // nothing, as the mr rows of a k block stay in L1 either way.
   constexpr Index line = 64 / static_cast<Index>(sizeof(Scalar));
-  const Index a_size = round_up(round_up(mc, K::mr) * kc, line);
   const Index b_size = round_up(round_up(widest_cols, K::nr) * kc, line);
   Workspace<Scalar> local;
-  Scalar* const a_block =
-      (workspace != nullptr ? workspace : &local)->reserve(static_cast<std::size_t>(a_size + workers * b_size));
+  Scalar* const b_blocks =
+      (workspace != nullptr ? workspace : &local)->reserve(static_cast<std::size_t>(workers * b_size));
   // At most a few outputs: their splits for this row block, found by a linear scan per item.
   constexpr std::size_t kMaxOutputs = 8;
   eigen_assert(count <= kMaxOutputs && "sdpa::gemm: too many outputs for one A");
@@ -155,19 +154,14 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
       first_item[o + 1] = first_item[o] + splits[o].count();
     }
     const Index total = first_item[count];
-    const Index slivers = ceil_div(rows, K::mr);
     for (Index p0 = 0; p0 < k; p0 += kc) {
       const Index kcp = std::min(kc, k - p0);
-      parallel_for(device, slivers, balanced_grain(device, slivers), [&](Index s0, Index s1) {
-        const Index r0 = s0 * K::mr;
-        K::pack_a(std::min(s1 * K::mr, rows) - r0, kcp, a + (ic + r0) * lda + p0, lda, a_block + r0 * kcp);
-      });
       // A worker index per chunk gives each concurrent chunk its own B buffer; the items themselves are
       // handed out by a counter, so a worker that starts late simply takes fewer.
       std::atomic<Index> next{0};
       parallel_for(device, workers, 1, [&](Index w0, Index w1) {
         for (Index w = w0; w < w1; ++w) {
-          Scalar* const b_block = a_block + a_size + w * b_size;
+          Scalar* const b_block = b_blocks + w * b_size;
           for (Index item = next.fetch_add(1, std::memory_order_relaxed); item < total;
                item = next.fetch_add(1, std::memory_order_relaxed)) {
             std::size_t o = 0;
@@ -181,7 +175,8 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
             const Index cols = std::min(split.n_step, out.n - j0);
             out.pack_b(j0, cols, p0, kcp, b_block);
             const Epilogue<Scalar> ep{alpha, beta, out.bias != nullptr ? out.bias + j0 : nullptr, p0 == 0};
-            K::block(kcp, item_rows, cols, a_block + i0 * kcp, b_block, out.c + (ic + i0) * out.ldc + j0, out.ldc, ep);
+            K::block_rows(kcp, item_rows, cols, a + (ic + i0) * lda + p0, lda, b_block, out.c + (ic + i0) * out.ldc + j0,
+                          out.ldc, ep);
           }
         }
       });
