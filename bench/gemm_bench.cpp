@@ -9,6 +9,8 @@
 #include <sdpa/detail/buffer.hpp>
 #include <sdpa/gemm/gemm.hpp>
 
+#include "fma_peak.hpp"
+
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -33,87 +35,10 @@ extern "C" void omp_set_num_threads(int);
 namespace {
 
 using Index = Eigen::Index;
+using sdpa_bench::fma_peak;
+using sdpa_bench::g_peak;
+using sdpa_bench::kPeakIsa;
 
-// The best fma_peak rate of this run per thread count, in FLOP/s.
-double g_peak[3] = {0, 0, 0};
-
-// Independent FMA chains: enough accumulators to cover latency x throughput (4 cycles x 2 pipes = 8 on
-// Zen 5; 16 leaves margin) and nothing else in the loop but the counter.
-#if defined(__AVX512F__)
-constexpr int kPeakWidth = 16;
-constexpr int kPeakChains = 16;
-float fma_chains(long iterations) {
-  __m512 acc[kPeakChains];
-  for (int j = 0; j < kPeakChains; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j) * 1e-3f);
-  const __m512 scale = _mm512_set1_ps(0.9999999f), shift = _mm512_set1_ps(1e-7f);
-  for (long i = 0; i < iterations; ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kPeakChains; ++j) acc[j] = _mm512_fmadd_ps(acc[j], scale, shift);
-  }
-  __m512 sum = acc[0];
-  for (int j = 1; j < kPeakChains; ++j) sum = _mm512_add_ps(sum, acc[j]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, sum);  // not _mm512_reduce_add_ps, which GCC 12 reports as reading undefined lanes
-  float total = 0;
-  for (float x : lanes) total += x;
-  return total;
-}
-const char* const kPeakIsa = "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kPeakWidth = 8;
-constexpr int kPeakChains = 12;  // of 16 ymm registers, with the two constants
-float fma_chains(long iterations) {
-  __m256 acc[kPeakChains];
-  for (int j = 0; j < kPeakChains; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j) * 1e-3f);
-  const __m256 scale = _mm256_set1_ps(0.9999999f), shift = _mm256_set1_ps(1e-7f);
-  for (long i = 0; i < iterations; ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kPeakChains; ++j) acc[j] = _mm256_fmadd_ps(acc[j], scale, shift);
-  }
-  __m256 sum = acc[0];
-  for (int j = 1; j < kPeakChains; ++j) sum = _mm256_add_ps(sum, acc[j]);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  float total = 0;
-  for (float x : lanes) total += x;
-  return total;
-}
-const char* const kPeakIsa = "avx2";
-#else
-constexpr int kPeakWidth = 1;
-constexpr int kPeakChains = 8;
-float fma_chains(long iterations) {
-  float acc[kPeakChains];
-  for (int j = 0; j < kPeakChains; ++j) acc[j] = static_cast<float>(j) * 1e-3f;
-  for (long i = 0; i < iterations; ++i) {
-    for (int j = 0; j < kPeakChains; ++j) acc[j] = acc[j] * 0.9999999f + 1e-7f;
-  }
-  float total = 0;
-  for (float x : acc) total += x;
-  return total;
-}
-const char* const kPeakIsa = "scalar";
-#endif
-
-void fma_peak(benchmark::State& state) {
-  constexpr long kIterations = 1 << 20;
-  const auto start = std::chrono::steady_clock::now();
-  for (auto _ : state) {
-    long iterations = kIterations;
-    benchmark::DoNotOptimize(iterations);  // or the compiler hoists the whole loop out of the timing
-    benchmark::DoNotOptimize(fma_chains(iterations));
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const double flops = 2.0 * kPeakWidth * kPeakChains * static_cast<double>(kIterations);
-  // Each thread reports its own rate and the framework sums the threads' counters; the peak of t threads
-  // is taken as t times thread 0's rate.
-  const double rate = flops * static_cast<double>(state.iterations()) / seconds;
-  state.counters["GFLOPs"] = rate / 1e9;
-  if (state.thread_index() == 0) {
-    const int t = std::min(state.threads(), 2);
-    g_peak[t] = std::max(g_peak[t], rate * state.threads());
-  }
-}
 
 const Eigen::ThreadPoolDevice* device_for(int threads) {
   if (threads <= 1) return nullptr;  // the calling thread alone

@@ -3,13 +3,16 @@
 // peers table of bench/RESULTS.md compares like with like. d_model 512, h 8, float, eval, self-attention:
 //   table/demo (50 x 49, d_k 512), table/std (50 x 49, d_k 64), table/long (1 x 4096, d_k 64),
 //   table/long_causal (the same with causal = true), table/long8k (1 x 8192, d_k 64); 1 and 2 threads.
-// scripts/run_peer_benchmarks.py runs it beside gemm_bench (the FMA peak, dnnl_sgemm) and the peers.
+// fma_peak/<isa> (bench/fma_peak.hpp) is registered too: scripts/run_peer_benchmarks.py runs the cases with
+// their repetitions interleaved, so that "% of the FMA peak" compares rates measured over the same minutes,
+// beside gemm_bench (the peak again, dnnl_sgemm) and the peers. Each case times calls after a first one.
 #include <benchmark/benchmark.h>
 
 #include <memory>
 #include <string>
 
 #include "bench_common.hpp"
+#include "fma_peak.hpp"
 
 namespace {
 
@@ -57,6 +60,13 @@ int main(int argc, char** argv) {
                                  {"long", 1, 4096, 64, false},
                                  {"long_causal", 1, 4096, 64, true},
                                  {"long8k", 1, 8192, 64, false}};
+  // The peak first, so that a filtered run can still compute "% of the FMA peak" from its own figures.
+  for (int threads : {1, 2}) {
+    benchmark::RegisterBenchmark((std::string("fma_peak/") + sdpa_bench::kPeakIsa).c_str(), sdpa_bench::fma_peak)
+        ->Threads(threads)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
   for (const TableConfig& c : configs)
     for (int threads : {1, 2}) {
       const std::string name = std::string("table/") + c.name + "/threads:" + std::to_string(threads);
