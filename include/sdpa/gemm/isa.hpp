@@ -17,6 +17,14 @@
 #define SDPA_GEMM_ABI_NAMESPACE eigen
 #endif
 
+// For a micro-kernel's store: called out of line, it would take the accumulators through memory (the
+// array is passed by reference), 24 spills and 24 reloads per tile, a tenth of a 64-deep tile's time.
+#if defined(__GNUC__) || defined(__clang__)
+#define SDPA_GEMM_ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define SDPA_GEMM_ALWAYS_INLINE inline
+#endif
+
 namespace sdpa {
 namespace gemm {
 inline namespace SDPA_GEMM_ABI_NAMESPACE {

@@ -172,7 +172,7 @@ struct Avx512Kernel {
   }
 
   template <int Rows>
-  static void store(Reg (&acc)[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)], Scalar* c, Index ldc,
+  SDPA_GEMM_ALWAYS_INLINE static void store(Reg (&acc)[static_cast<std::size_t>(Rows)][static_cast<std::size_t>(vectors)], Scalar* c, Index ldc,
                     Index cols, const Epilogue<Scalar>& ep) noexcept {
     const Reg alpha = V::set1(ep.alpha);
     const Reg beta = V::set1(ep.beta);
