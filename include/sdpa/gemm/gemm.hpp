@@ -8,7 +8,7 @@
 //   gemm_nt:      C[m, n] = alpha * A[m, k] B[n, k]^T + beta * C
 //   gemm_nn:      C[m, n] = alpha * A[m, k] B[k, n]   + beta * C
 //   gemm_nt_bias: C[m, n] = A[m, k] W[n, k]^T + bias[n]   (bias added as the tiles are stored)
-//   gemm_nt_bias_shared: several of those with the same A, which is packed once for all of them
+//   gemm_nt_bias_shared: several of those with the same A, in one pass with one work queue
 // beta = 0 never reads C (it may be uninitialised or NaN); alpha = 0 or k = 0 never reads A or B. Each
 // takes an optional device (nullptr: the calling thread) and an optional Workspace (workspace.hpp) that
 // keeps the packing scratch from one call to the next; a workspace serves one call at a time.
@@ -91,8 +91,9 @@ struct BiasedProduct {
   Eigen::Index ldc;
 };
 
-// Several projections of the same A[m, k] (lda) at once (at most 8): every block of A is packed once for
-// all of them, and their tiles share one work queue. Each output gets the bits gemm_nt_bias gives it.
+// Several projections of the same A[m, k] (lda) at once (at most 8): one pass over the k blocks whose
+// tiles, of all the outputs, share one work queue (one parallel region per k block instead of one per
+// output, and no worker idles at an output's tail). Each output gets the bits gemm_nt_bias gives it.
 template <typename Scalar>
 void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, const Scalar* a, Eigen::Index lda,
                          const BiasedProduct<Scalar>* products, std::size_t count,

@@ -104,8 +104,8 @@ struct Output {
   Eigen::Index ldc;
 };
 
-// The outputs' products with one A[m, k], row-major: each block of A is packed once for all of them (a
-// fused projection: q, k and v from the same rows), and their work items share one queue.
+// The outputs' products with one A[m, k], row-major (a fused projection: q, k and v from the same rows):
+// their work items share one queue.
 template <typename Scalar, typename PackB>
 void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
                 const Output<Scalar, PackB>* outputs, std::size_t count, Scalar beta,

@@ -102,8 +102,8 @@ struct ProjectionTarget {
   }
 };
 
-// Applies every target to the same input rows (the fused QKV projection): one product whose blocks of x
-// are packed once for all the targets, split over the device's threads (oneDNN: one call per target).
+// Applies every target to the same input rows (the fused QKV projection): one product over all the
+// targets, split over the device's threads (oneDNN: one call per target).
 template <typename Scalar>
 void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std::vector<ProjectionTarget<Scalar>>& targets,
                   const Eigen::ThreadPoolDevice* device) {
