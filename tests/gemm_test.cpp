@@ -273,14 +273,15 @@ TYPED_TEST(GemmTest, NtBiasMatchesReference) {
   }
 }
 
-// gemm_nt_bias_shared: several projections of one A into one fused C (side by side, as q | k | v), each
-// bit for bit what gemm_nt_bias gives it alone (which NtBiasMatchesReference checks against the
-// reference), on 1 and 2 threads, with nothing written outside the outputs.
+// gemm_nt_bias_shared: several projections of one A into one fused C (side by side, as q | k | v; and 11 of
+// them, more than one pass takes), each bit for bit what gemm_nt_bias gives it alone (which
+// NtBiasMatchesReference checks against the reference), on 1 and 2 threads, nothing written outside them.
 TYPED_TEST(GemmTest, SharedANtBiasMatchesEachProductAlone) {
   using Scalar = TypeParam;
   const gemm::Blocking& bl = gemm::blocking<Scalar>();
   const std::vector<std::vector<Index>> widths = {
-      {bl.nr + 1, 0, 2 * bl.nc + 3}, {1, 7, 13}, {3 * bl.nr, bl.nr - 1}, {bl.nc, bl.nc, bl.nc}, {5}};
+      {bl.nr + 1, 0, 2 * bl.nc + 3}, {1, 7, 13}, {3 * bl.nr, bl.nr - 1}, {bl.nc, bl.nc, bl.nc}, {5},
+      {3, 1, bl.nr + 1, 2, 9, 4, 0, 17, 6, 5, 11}};  // more outputs than one pass takes (8)
   for (const Index m : {Index{1}, Index{13}, bl.mr + 1, Index{200}, bl.mc + 1}) {
     for (const Index k : {Index{0}, Index{7}, bl.kc + 1}) {
       for (const std::vector<Index>& ns : widths) {

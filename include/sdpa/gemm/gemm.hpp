@@ -91,9 +91,10 @@ struct BiasedProduct {
   Eigen::Index ldc;
 };
 
-// Several projections of the same A[m, k] (lda) at once (at most 8): one pass over the k blocks whose
-// tiles, of all the outputs, share one work queue (one parallel region per k block instead of one per
-// output, and no worker idles at an output's tail). Each output gets the bits gemm_nt_bias gives it.
+// Several projections of the same A[m, k] (lda) at once: one pass over the k blocks whose tiles, of all
+// the outputs, share one work queue (one parallel region per k block instead of one per output, and no
+// worker idles at an output's tail); more than 8 outputs run 8 at a time. Each output gets the bits
+// gemm_nt_bias gives it.
 template <typename Scalar>
 void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, const Scalar* a, Eigen::Index lda,
                          const BiasedProduct<Scalar>* products, std::size_t count,
@@ -106,16 +107,17 @@ void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, const Scalar* a, Eigen:
       K::pack_b_rows(cols, kcp, w + j0 * ldw + p0, ldw, dst);
     }
   };
-  constexpr std::size_t kMax = 8;
-  eigen_assert(count <= kMax && "sdpa::gemm::gemm_nt_bias_shared: at most 8 products");
-  detail::Output<Scalar, PackW> outputs[kMax] = {};
-  for (std::size_t o = 0; o < count && o < kMax; ++o) {
-    const BiasedProduct<Scalar>& p = products[o];
-    detail::check_operands(m, p.n, k, lda, k, p.ldw, p.ldc);
-    outputs[o] = {p.n, PackW{p.w, p.ldw}, p.bias, p.c, p.ldc};
+  constexpr std::size_t kGroup = 8;  // gemm_loops' limit
+  for (std::size_t o0 = 0; o0 < count; o0 += kGroup) {
+    const std::size_t group = std::min(kGroup, count - o0);
+    detail::Output<Scalar, PackW> outputs[kGroup] = {};
+    for (std::size_t o = 0; o < group; ++o) {
+      const BiasedProduct<Scalar>& p = products[o0 + o];
+      detail::check_operands(m, p.n, k, lda, k, p.ldw, p.ldc);
+      outputs[o] = {p.n, PackW{p.w, p.ldw}, p.bias, p.c, p.ldc};
+    }
+    detail::gemm_loops<Scalar, PackW>(m, k, Scalar(1), a, lda, outputs, group, Scalar(0), device, workspace);
   }
-  detail::gemm_loops<Scalar, PackW>(m, k, Scalar(1), a, lda, outputs, std::min(count, kMax), Scalar(0), device,
-                                    workspace);
 }
 
 }  // namespace SDPA_GEMM_ABI_NAMESPACE

@@ -113,16 +113,11 @@ void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std
     return;
   }
 #endif
-  constexpr std::size_t kGroup = 8;  // gemm_nt_bias_shared's limit
-  for (std::size_t t0 = 0; t0 < targets.size(); t0 += kGroup) {
-    gemm::BiasedProduct<Scalar> products[kGroup] = {};
-    const std::size_t count = std::min(kGroup, targets.size() - t0);
-    for (std::size_t i = 0; i < count; ++i) {
-      const ProjectionTarget<Scalar>& t = targets[t0 + i];
-      products[i] = {t.weight, in, t.out, t.bias, t.y, t.ldy};
-    }
-    gemm::gemm_nt_bias_shared<Scalar>(rows, in, x, in, products, count, device, &thread_workspace<Scalar>());
-  }
+  std::vector<gemm::BiasedProduct<Scalar>> products;
+  products.reserve(targets.size());
+  for (const ProjectionTarget<Scalar>& t : targets) products.push_back({t.weight, in, t.out, t.bias, t.y, t.ldy});
+  gemm::gemm_nt_bias_shared<Scalar>(rows, in, x, in, products.data(), products.size(), device,
+                                    &thread_workspace<Scalar>());
 }
 
 // The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
