@@ -33,6 +33,7 @@ std::atomic<int> g_eigen_assert_failures{0};
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
@@ -670,6 +671,44 @@ TYPED_TEST(TiledTest, TwoThreadsMatchOneThread) {
     EXPECT_EQ(one_stats.tiles_computed, two_stats.tiles_computed);
     EXPECT_EQ(one_stats.tiles_skipped, two_stats.tiles_skipped);
   }
+}
+
+// A group that sees a single key block reads its query rows where they lie instead of packing them (one
+// use each): the scores must be the packed path's bits, or results would depend on how rows are grouped
+// (which the thread count changes). Odd sizes around the micro-tile (12 or 6 rows, 32 or 16 columns).
+TYPED_TEST(TiledTest, QueriesReadInPlaceGiveThePackedScores) {
+  using T = TypeParam;
+  std::mt19937 gen(91);
+  std::uniform_real_distribution<double> uniform(-2.0, 2.0);
+  for (Index rows : {Index(1), Index(5), Index(12), Index(13), Index(37)})
+    for (Index cols : {Index(1), Index(16), Index(31), Index(33)})
+      for (Index d : {Index(1), Index(7), Index(64), Index(67)}) {
+        const Index ldq = d + 3, ldk = d + 1, lds = cols + 2;
+        std::vector<T> q(static_cast<std::size_t>(rows * ldq)), k(static_cast<std::size_t>(cols * ldk)),
+            v(static_cast<std::size_t>(cols * ldk));
+        for (T& x : q) x = T(uniform(gen));
+        for (T& x : k) x = T(uniform(gen));
+        for (T& x : v) x = T(uniform(gen));
+        const T alpha = T(1) / std::sqrt(T(d));
+        std::vector<T> packed(static_cast<std::size_t>(rows * lds), T(-3)), in_place = packed;
+        sdpa::kernels::TileProducts<T> products(rows, cols, 1, d, d);
+        products.set_keys(k.data(), ldk, v.data(), ldk, cols);
+        products.new_group(/*single_key_block=*/false);
+        products.scores(0, q.data(), ldq, rows, 0, rows, 0, cols, alpha, packed.data(), lds);
+        products.new_group(/*single_key_block=*/true);
+        products.scores(0, q.data(), ldq, rows, 0, rows, 0, cols, alpha, in_place.data(), lds);
+        const auto where = ::testing::Message() << "rows " << rows << " cols " << cols << " d " << d;
+        ASSERT_EQ(std::memcmp(packed.data(), in_place.data(), packed.size() * sizeof(T)), 0) << where;
+        // And they are the scores (the padding between rows untouched).
+        for (Index i = 0; i < rows; ++i) {
+          for (Index j = 0; j < cols; ++j) {
+            double dot = 0;
+            for (Index c = 0; c < d; ++c) dot += double(q[static_cast<std::size_t>(i * ldq + c)]) * double(k[static_cast<std::size_t>(j * ldk + c)]);
+            ASSERT_NEAR(double(in_place[static_cast<std::size_t>(i * lds + j)]), dot * double(alpha), 1e-4 * (1 + std::abs(dot))) << where;
+          }
+          for (Index j = cols; j < lds; ++j) ASSERT_EQ(in_place[static_cast<std::size_t>(i * lds + j)], T(-3)) << where;
+        }
+      }
 }
 
 TYPED_TEST(TiledTest, ForcedBlocksAreUsed) {

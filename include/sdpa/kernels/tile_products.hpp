@@ -2,7 +2,8 @@
 // query block against the current key block, and the accumulation o += p v. A worker sets the key block
 // once (its k and v are packed on first use and shared by every query block of the group) and packs each
 // query block once per group (`slot`), so a tile's products only stream packed operands; p is read where
-// it lies. A tile trimmed to a sub-rectangle (part of its rows or keys hidden) multiplies the trimmed
+// it lies, and so are the query rows of a group that sees a single key block (one use each: a short
+// sequence). A tile trimmed to a sub-rectangle (part of its rows or keys hidden) multiplies the trimmed
 // operands instead. Both go through sdpa::gemm's register-blocked kernels (gemm/packed.hpp, gemm.hpp).
 // With SDPA_TILED_PACKED_PRODUCTS defined to 0, every tile takes the unpacked products (the path the
 // packing is tested against).
@@ -36,8 +37,13 @@ class TileProducts {
     v_packed_.reserve(block_k, d_v);
   }
 
-  // A new group of query blocks: every slot must be packed again.
-  void new_group() noexcept { std::fill(q_packed_.begin(), q_packed_.end(), false); }
+  // A new group of query blocks: every slot must be packed again. With `single_key_block` (the group sees
+  // one key block), each query block takes part in one product only, and is read where it lies instead:
+  // packing it would cost a transposing copy for a single use (a short sequence's whole attention).
+  void new_group(bool single_key_block = false) noexcept {
+    std::fill(q_packed_.begin(), q_packed_.end(), false);
+    q_in_place_ = single_key_block;
+  }
 
   // The key block the next tiles use: cols rows of k (stride ldk) and of v (stride ldv).
   void set_keys(const Scalar* k, Index ldk, const Scalar* v, Index ldv, Index cols) noexcept {
@@ -57,6 +63,10 @@ class TileProducts {
       if (!k_ready_) {
         k_packed_.pack_nt(cols_, d_k_, k_, ldk_);
         k_ready_ = true;
+      }
+      if (q_in_place_) {
+        gemm::multiply(rows, q, ldq, k_packed_, alpha, Scalar(0), s, lds);
+        return;
       }
       const std::size_t sl = static_cast<std::size_t>(slot);
       if (!q_packed_[sl]) {
@@ -97,6 +107,7 @@ class TileProducts {
   const Scalar* v_ = nullptr;
   Index ldk_ = 0, ldv_ = 0, cols_ = 0;
   bool k_ready_ = false, v_ready_ = false;
+  bool q_in_place_ = false;
 };
 
 }  // namespace kernels

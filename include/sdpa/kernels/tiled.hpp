@@ -87,7 +87,6 @@ class TileScorer {
   template <typename Visit>
   void run(Index b, Index h, Index q0, Index rows, Visit&& visit, bool count = true, Index key_lo = 0,
            Index key_hi = std::numeric_limits<Index>::max()) {
-    products_.new_group();
     Index lo = std::numeric_limits<Index>::max(), hi = std::numeric_limits<Index>::min();
     for (Index i = 0; i < rows; ++i) {
       const KeyRange r = vis_.row(b, h, q0 + i);
@@ -99,6 +98,7 @@ class TileScorer {
     lo = std::max(lo, key_lo);
     hi = std::min(hi, key_hi);
     if (lo >= hi) return;
+    products_.new_group(/*single_key_block=*/(hi - 1) / bk_ == lo / bk_);
     Tile<Scalar> t;
     t.b = b;
     t.h = h;
