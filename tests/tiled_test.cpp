@@ -703,8 +703,10 @@ TYPED_TEST(TiledTest, QueriesReadInPlaceGiveThePackedScores) {
         for (Index i = 0; i < rows; ++i) {
           for (Index j = 0; j < cols; ++j) {
             double dot = 0;
-            for (Index c = 0; c < d; ++c) dot += double(q[static_cast<std::size_t>(i * ldq + c)]) * double(k[static_cast<std::size_t>(j * ldk + c)]);
-            ASSERT_NEAR(double(in_place[static_cast<std::size_t>(i * lds + j)]), dot * double(alpha), 1e-4 * (1 + std::abs(dot))) << where;
+            for (Index c = 0; c < d; ++c)
+              dot += double(q[static_cast<std::size_t>(i * ldq + c)]) * double(k[static_cast<std::size_t>(j * ldk + c)]);
+            const double got = double(in_place[static_cast<std::size_t>(i * lds + j)]);
+            ASSERT_NEAR(got, dot * double(alpha), 1e-4 * (1 + std::abs(dot))) << where;
           }
           for (Index j = cols; j < lds; ++j) ASSERT_EQ(in_place[static_cast<std::size_t>(i * lds + j)], T(-3)) << where;
         }

@@ -42,8 +42,8 @@ struct TileConfig {
     const Eigen::Index eighth = l2_bytes / 8 / scalar_bytes;  // in elements
     const Eigen::Index packed = static_cast<Eigen::Index>(EIGEN_STACK_ALLOCATION_LIMIT) / scalar_bytes;
     TileConfig c;
-    c.block_k = std::clamp<Eigen::Index>(floor_pow2(std::min(eighth / (d_k + d_v), max_block_k(scalar_bytes, d_k, d_v))),
-                                         16, 512);
+    const Eigen::Index k_bound = max_block_k(scalar_bytes, d_k, d_v);
+    c.block_k = std::clamp<Eigen::Index>(floor_pow2(std::min(eighth / (d_k + d_v), k_bound)), 16, 512);
     c.block_q = std::clamp<Eigen::Index>(
         floor_pow2(std::min({std::min(eighth, packed) / c.block_k, packed / d_k})), 16, 256);
     c.group = std::clamp<Eigen::Index>(floor_pow2(4 * eighth / (c.block_q * (d_k + d_v))), 1, 8);
@@ -52,7 +52,8 @@ struct TileConfig {
 
   // The most keys a block may hold: its k or v block within EIGEN_STACK_ALLOCATION_LIMIT (see above).
   static Eigen::Index max_block_k(Eigen::Index scalar_bytes, Eigen::Index d_k, Eigen::Index d_v) noexcept {
-    const Eigen::Index packed = static_cast<Eigen::Index>(EIGEN_STACK_ALLOCATION_LIMIT) / std::max<Eigen::Index>(1, scalar_bytes);
+    const Eigen::Index limit = static_cast<Eigen::Index>(EIGEN_STACK_ALLOCATION_LIMIT);
+    const Eigen::Index packed = limit / std::max<Eigen::Index>(1, scalar_bytes);
     return std::max<Eigen::Index>(1, packed / std::max({d_k, d_v, Eigen::Index(1)}));
   }
 
