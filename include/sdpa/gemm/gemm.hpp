@@ -107,7 +107,7 @@ void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, const Scalar* a, Eigen:
       K::pack_b_rows(cols, kcp, w + j0 * ldw + p0, ldw, dst);
     }
   };
-  constexpr std::size_t kGroup = 8;  // gemm_loops' limit
+  constexpr std::size_t kGroup = detail::kMaxOutputs;
   for (std::size_t o0 = 0; o0 < count; o0 += kGroup) {
     const std::size_t group = std::min(kGroup, count - o0);
     detail::Output<Scalar, PackW> outputs[kGroup] = {};

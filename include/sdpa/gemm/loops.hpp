@@ -106,6 +106,10 @@ struct Output {
   Eigen::Index ldc;
 };
 
+// At most this many outputs per gemm_loops call: their splits for a row block live on the stack, and each
+// item finds its output by a linear scan.
+constexpr std::size_t kMaxOutputs = 8;
+
 // The outputs' products with one A[m, k], row-major (a fused projection: q, k and v from the same rows):
 // their work items share one queue.
 template <typename Scalar, typename PackB>
@@ -143,8 +147,6 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
   Workspace<Scalar> local;
   Scalar* const b_blocks =
       (workspace != nullptr ? workspace : &local)->reserve(static_cast<std::size_t>(workers * b_size));
-  // At most a few outputs: their splits for this row block, found by a linear scan per item.
-  constexpr std::size_t kMaxOutputs = 8;
   eigen_assert(count <= kMaxOutputs && "sdpa::gemm: too many outputs for one A");
 
   for (Index ic = 0; ic < m; ic += mc) {
