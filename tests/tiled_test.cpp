@@ -907,6 +907,26 @@ void check_shifted_exp() {
   T nan_row[3] = {shift, std::numeric_limits<T>::quiet_NaN(), shift - 1};
   EXPECT_TRUE(std::isnan(Exp::run(nan_row, 3, shift)));
   EXPECT_TRUE(std::isnan(nan_row[1]));
+  // Arguments above the shift (a backward pass's s - lse may round to just above 0): up to where exp
+  // overflows, and past it (+inf, also for arguments far beyond the overflow and for +inf itself).
+  std::uniform_real_distribution<double> above(0.0, 88.0);
+  std::vector<T> big(37);
+  for (std::size_t j = 0; j < big.size(); ++j) big[j] = T(above(gen)) + shift;
+  big[3] = shift + T(1e-6);
+  const std::vector<T> big_in = big;
+  Exp::run(big.data(), Index(big.size()), shift);
+  for (std::size_t j = 0; j < big.size(); ++j) {
+    const double want = std::exp(double(big_in[j] - shift));
+    EXPECT_NEAR(double(big[j]), want, 4 * std::numeric_limits<T>::epsilon() * want) << "x " << big_in[j];
+  }
+  // (46243800: where a float exp that reduces the argument without bounding it first gave -inf.)
+  const T huge = std::numeric_limits<T>::max();
+  T overflow[5] = {T(89), T(46243800), huge, std::numeric_limits<T>::infinity(), T(0)};
+  EXPECT_EQ(Exp::run(overflow, 5, T(0)), std::numeric_limits<T>::infinity());
+  if (std::is_same<T, float>::value) {  // double's exp overflows only from 709.8
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(overflow[j], std::numeric_limits<T>::infinity()) << "j " << j;
+  }
+  EXPECT_EQ(overflow[4], T(1));
 }
 
 TEST(ShiftedExp, MatchesStdExp) {
