@@ -7,6 +7,8 @@
 //       for each work item (a range of rows x a range of at most nc columns), on any worker:
 //         pack the item's B columns into the worker's own buffer (in L2)
 //         for each mr rows of A (in L1 while the B slivers pass), for each B sliver: micro-kernel
+// The workers meet after each k block, unless there are fewer than two items per worker: then each owns
+// its items and runs their k blocks without waiting for the others (gemm_loops).
 // The k blocks are the same for any number of workers, and so is every element's sequence of operations
 // in the micro-kernels, so results are bit-identical for any thread count (see min_items for Eigen's).
 #pragma once
@@ -158,33 +160,54 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
       first_item[o + 1] = first_item[o] + splits[o].count();
     }
     const Index total = first_item[count];
-    for (Index p0 = 0; p0 < k; p0 += kc) {
-      const Index kcp = std::min(kc, k - p0);
-      // A worker index per chunk gives each concurrent chunk its own B buffer; the items themselves are
-      // handed out by a counter, so a worker that starts late simply takes fewer.
-      std::atomic<Index> next{0};
-      parallel_for(device, workers, 1, [&](Index w0, Index w1) {
-        for (Index w = w0; w < w1; ++w) {
-          Scalar* const b_block = b_blocks + w * b_size;
-          for (Index item = next.fetch_add(1, std::memory_order_relaxed); item < total;
-               item = next.fetch_add(1, std::memory_order_relaxed)) {
-            std::size_t o = 0;
-            while (item >= first_item[o + 1]) ++o;
-            const Output<Scalar, PackB>& out = outputs[o];
-            const Split& split = splits[o];
-            const Index local_item = item - first_item[o];
-            const Index i0 = local_item / split.n_items * split.m_step;
-            const Index j0 = local_item % split.n_items * split.n_step;
-            const Index item_rows = std::min(split.m_step, rows - i0);
-            const Index cols = std::min(split.n_step, out.n - j0);
-            out.pack_b(j0, cols, p0, kcp, b_block);
-            const Epilogue<Scalar> ep{alpha, beta, out.bias != nullptr ? out.bias + j0 : nullptr, p0 == 0};
-            K::block_rows(kcp, item_rows, cols, a + (ic + i0) * lda + p0, lda, b_block, out.c + (ic + i0) * out.ldc + j0,
-                          out.ldc, ep);
+    // Item `item` over the k block [p0, p0 + kcp), with B packed into b_block.
+    auto run_item = [&](Index item, Index p0, Index kcp, Scalar* b_block) {
+      std::size_t o = 0;
+      while (item >= first_item[o + 1]) ++o;
+      const Output<Scalar, PackB>& out = outputs[o];
+      const Split& split = splits[o];
+      const Index local_item = item - first_item[o];
+      const Index i0 = local_item / split.n_items * split.m_step;
+      const Index j0 = local_item % split.n_items * split.n_step;
+      const Index item_rows = std::min(split.m_step, rows - i0);
+      const Index cols = std::min(split.n_step, out.n - j0);
+      out.pack_b(j0, cols, p0, kcp, b_block);
+      const Epilogue<Scalar> ep{alpha, beta, out.bias != nullptr ? out.bias + j0 : nullptr, p0 == 0};
+      K::block_rows(kcp, item_rows, cols, a + (ic + i0) * lda + p0, lda, b_block, out.c + (ic + i0) * out.ldc + j0,
+                    out.ldc, ep);
+    };
+    if (k <= kc || total >= 2 * workers) {
+      for (Index p0 = 0; p0 < k; p0 += kc) {
+        const Index kcp = std::min(kc, k - p0);
+        // A worker index per chunk gives each concurrent chunk its own B buffer; the items themselves are
+        // handed out by a counter, so a worker that starts late simply takes fewer.
+        std::atomic<Index> next{0};
+        parallel_for(device, workers, 1, [&](Index w0, Index w1) {
+          for (Index w = w0; w < w1; ++w) {
+            for (Index item = next.fetch_add(1, std::memory_order_relaxed); item < total;
+                 item = next.fetch_add(1, std::memory_order_relaxed)) {
+              run_item(item, p0, kcp, b_blocks + w * b_size);
+            }
+          }
+        });
+      }
+      continue;
+    }
+    // Several k blocks and fewer than two items per worker, where a counter has nothing to balance (each
+    // worker takes one item of each k block, or two against one): worker w owns items w, w + workers and
+    // runs them k block by k block without meeting the others between k blocks. The workers still sweep
+    // the same block of A at about the same time, as above. On the 2450 x 4096 x 512 fc_o on two workers
+    // (two items, eight k blocks) this is 4-5% faster than a parallel region per k block (8 of 8
+    // alternated runs).
+    parallel_for(device, workers, 1, [&](Index w0, Index w1) {
+      for (Index w = w0; w < w1; ++w) {
+        for (Index p0 = 0; p0 < k; p0 += kc) {
+          for (Index item = w; item < total; item += workers) {
+            run_item(item, p0, std::min(kc, k - p0), b_blocks + w * b_size);
           }
         }
-      });
-    }
+      }
+    });
   }
 }
 
