@@ -197,8 +197,8 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
     // worker takes one item of each k block, or two against one): worker w owns items w, w + workers and
     // runs them k block by k block without meeting the others between k blocks. The workers still sweep
     // the same block of A at about the same time, as above. On the 2450 x 4096 x 512 fc_o on two workers
-    // (two items, eight k blocks) this is 4-5% faster than a parallel region per k block (8 of 8
-    // alternated runs).
+    // (two items, eight k blocks) this was faster than a parallel region per k block in each of 14
+    // alternated runs, by 4-6% in most (bench/RESULTS.md).
     parallel_for(device, workers, 1, [&](Index w0, Index w1) {
       for (Index w = w0; w < w1; ++w) {
         for (Index p0 = 0; p0 < k; p0 += kc) {
