@@ -229,7 +229,8 @@ std::vector<Shape> shapes(const gemm::Blocking& bl) {
   v.push_back({200, 4 * bl.nr + 1, 9});
   v.push_back({65, 3 * bl.nr, bl.kc + 5});
   // Several k blocks with three items (two workers own two and one, gemm_loops) and with four (the
-  // workers share each k block's items).
+  // workers share each k block's items); so with the micro-kernels (the Eigen fallback cuts both into
+  // four items).
   v.push_back({40, 2 * bl.nc + 1, bl.kc + 3});
   v.push_back({40, 3 * bl.nc + 1, bl.kc + 3});
   v.push_back({0, 5, 3});
