@@ -1,7 +1,8 @@
 // Tests of sdpa/parallel.hpp: parallel_for covers [0, n) exactly once in chunks of at most `grain`, on the
 // calling thread without a device and across the pool with one, and a call made from inside the pool's
 // own tasks (every worker busy with such a call) completes instead of deadlocking, for the bare
-// parallel_for and for the module's forward.
+// parallel_for and for the module's forward. parallel_for_with_state makes one state per thread that runs
+// chunks.
 #include "sdpa/parallel.hpp"
 
 #include <gtest/gtest.h>
@@ -36,6 +37,52 @@ TEST(ParallelFor, CoversTheRangeOnceInBoundedChunks) {
         for (Index i = 0; i < n; ++i) ASSERT_EQ(hits[static_cast<std::size_t>(i)].load(), 1) << n << " " << grain << " " << i;
         if (d == nullptr) EXPECT_EQ(longest.load(), n);  // one call on the calling thread
         else EXPECT_LE(longest.load(), grain);
+      }
+}
+
+// parallel_for_with_state: the same coverage; one state per thread that takes a chunk, made before its
+// first chunk and finished once after its last, with every chunk run on the state of the thread running it.
+TEST(ParallelForWithState, CoversTheRangeOnceWithOneStatePerThread) {
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice device(&pool, 2);
+  const Eigen::ThreadPoolDevice* devices[2] = {nullptr, &device};
+  struct State {
+    std::thread::id owner;
+    int chunks = 0;
+    bool finished = false;
+  };
+  for (const Eigen::ThreadPoolDevice* d : devices)
+    for (Index n : {Index{0}, Index{1}, Index{7}, Index{64}, Index{1000}})
+      for (Index grain : {Index{1}, Index{3}, Index{64}, Index{5000}}) {
+        std::vector<std::atomic<int>> hits(static_cast<std::size_t>(n));
+        std::atomic<int> made{0}, finished{0}, chunks_finished{0}, wrong_owner{0}, too_long{0};
+        sdpa::parallel_for_with_state(
+            d, n, grain,
+            [&] {
+              made.fetch_add(1);
+              return State{std::this_thread::get_id()};
+            },
+            [&](State& state, Index begin, Index end) {
+              if (state.owner != std::this_thread::get_id() || state.finished) wrong_owner.fetch_add(1);
+              if (end - begin > grain || end <= begin) too_long.fetch_add(1);
+              ++state.chunks;
+              for (Index i = begin; i < end; ++i) hits[static_cast<std::size_t>(i)].fetch_add(1);
+            },
+            [&](State& state) {
+              if (state.owner != std::this_thread::get_id() || state.finished || state.chunks == 0) wrong_owner.fetch_add(1);
+              state.finished = true;
+              finished.fetch_add(1);
+              chunks_finished.fetch_add(state.chunks);
+            });
+        for (Index i = 0; i < n; ++i) ASSERT_EQ(hits[static_cast<std::size_t>(i)].load(), 1) << n << " " << grain << " " << i;
+        const Index chunks = (n + grain - 1) / grain;
+        const int most = static_cast<int>(std::min<Index>(chunks, sdpa::worker_count(d)));
+        EXPECT_LE(made.load(), most) << n << " " << grain;
+        EXPECT_EQ(made.load() > 0, n > 0);
+        EXPECT_EQ(finished.load(), made.load());
+        EXPECT_EQ(chunks_finished.load(), chunks);
+        EXPECT_EQ(wrong_owner.load(), 0);
+        EXPECT_EQ(too_long.load(), 0);
       }
 }
 

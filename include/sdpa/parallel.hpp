@@ -70,6 +70,35 @@ void parallel_for(const Eigen::ThreadPoolDevice* device, Eigen::Index n, Eigen::
   state->finished.wait(lock, [&] { return state->done == state->chunks; });
 }
 
+// The same chunks of [0, n) (at most `grain` long, from one shared counter), run as f(state, begin, end)
+// with a state that each thread taking part makes once with make(), before its first chunk, and hands to
+// finish(state) after its last: a worker's scratch (tile buffers, packed operands) is allocated and first
+// touched once per call instead of once per chunk. A thread that finds no chunk left makes no state.
+// make, f and finish must not throw.
+struct NoFinish {
+  template <typename State>
+  void operator()(State&) const noexcept {}
+};
+
+template <typename Make, typename F, typename Finish = NoFinish>
+void parallel_for_with_state(const Eigen::ThreadPoolDevice* device, Eigen::Index n, Eigen::Index grain, Make&& make,
+                             F&& f, Finish&& finish = Finish{}) {
+  if (n <= 0) return;
+  grain = std::max<Eigen::Index>(1, grain);
+  const Eigen::Index chunks = (n + grain - 1) / grain;
+  std::atomic<Eigen::Index> next{0};
+  parallel_for(device, std::min<Eigen::Index>(worker_count(device), chunks), 1, [&](Eigen::Index, Eigen::Index) {
+    Eigen::Index c = next.fetch_add(1, std::memory_order_relaxed);
+    if (c >= chunks) return;
+    auto state = make();
+    for (; c < chunks; c = next.fetch_add(1, std::memory_order_relaxed)) {
+      const Eigen::Index begin = c * grain;
+      f(state, begin, std::min(n, begin + grain));
+    }
+    finish(state);
+  });
+}
+
 // A grain that gives each worker several chunks of [0, n) so that uneven chunks even out.
 inline Eigen::Index balanced_grain(const Eigen::ThreadPoolDevice* device, Eigen::Index n,
                                    Eigen::Index chunks_per_worker = 4) noexcept {

@@ -366,10 +366,11 @@ void tiled_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDe
   const Visibility<Scalar> visibility(p, device);
   const ScorePipeline<Scalar> pipeline(visibility);
   const Index n = units.count();
-  parallel_for(device, n, balanced_grain(device, n, 4), [&](Index u0, Index u1) {
-    TiledBackward<Scalar> worker(bp, pipeline, c);
-    for (Index u = u0; u < u1; ++u) units.for_each_pair(u, [&](Index b, Index h) { worker.run(b, h); });
-  });
+  parallel_for_with_state(
+      device, n, balanced_grain(device, n, 4), [&] { return TiledBackward<Scalar>(bp, pipeline, c); },
+      [&](TiledBackward<Scalar>& worker, Index u0, Index u1) {
+        for (Index u = u0; u < u1; ++u) units.for_each_pair(u, [&](Index b, Index h) { worker.run(b, h); });
+      });
 }
 
 // The plain backward, the oracle of tiled_backward: per (batch, head, query) the whole row of scores and

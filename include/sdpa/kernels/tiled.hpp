@@ -379,21 +379,24 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
   const Index groups = (p.nq + span - 1) / span;
   const Index units = p.batch * p.heads * groups;
   // Several chunks per worker: under causal masks the query groups differ in cost, and the shared counter
-  // in parallel_for evens that out.
+  // evens that out. Each thread keeps one TiledForward (its scratch) for all the chunks it takes.
   const Index grain = balanced_grain(device, units, 4);
   const Visibility<Scalar> visibility(p, device);
   const ScorePipeline<Scalar> pipeline(visibility);
   std::atomic<Index> computed{0}, skipped{0};
-  parallel_for(device, units, grain, [&](Index u0, Index u1) {
-    TiledForward<Scalar> worker(pipeline, c.block_q, c.block_k, c.group);
-    for (Index u = u0; u < u1; ++u) {
-      const Index bh = u / groups, g = u % groups;
-      const Index q0 = g * span;
-      worker.run(bh / p.heads, bh % p.heads, q0, std::min(span, p.nq - q0));
-    }
-    computed.fetch_add(worker.stats().tiles_computed, std::memory_order_relaxed);
-    skipped.fetch_add(worker.stats().tiles_skipped, std::memory_order_relaxed);
-  });
+  parallel_for_with_state(
+      device, units, grain, [&] { return TiledForward<Scalar>(pipeline, c.block_q, c.block_k, c.group); },
+      [&](TiledForward<Scalar>& worker, Index u0, Index u1) {
+        for (Index u = u0; u < u1; ++u) {
+          const Index bh = u / groups, g = u % groups;
+          const Index q0 = g * span;
+          worker.run(bh / p.heads, bh % p.heads, q0, std::min(span, p.nq - q0));
+        }
+      },
+      [&](TiledForward<Scalar>& worker) {
+        computed.fetch_add(worker.stats().tiles_computed, std::memory_order_relaxed);
+        skipped.fetch_add(worker.stats().tiles_skipped, std::memory_order_relaxed);
+      });
   if (stats != nullptr) {
     stats->tiles_computed = computed.load();
     stats->tiles_skipped = skipped.load();
