@@ -3,7 +3,8 @@
 // counter, which balances uneven work (causal masks, ragged tails) without a cost model. The caller never
 // waits for a helper that has not started: it takes chunks itself until none is left and then waits only
 // for chunks already being run, so a call made from inside the pool's own tasks (every worker busy) runs
-// on the calling thread instead of deadlocking.
+// on the calling thread instead of deadlocking. parallel_for_with_state does the same with a state (a
+// worker's scratch) made once per thread that takes part, for kernels whose chunks share it.
 #pragma once
 
 #include "sdpa/detail/eigen.hpp"
