@@ -194,7 +194,7 @@ void register_all() {
       {"tile_qk/M:128/K:64/N:256", 128, 64, 256, Op::kNT},
       {"tile_pv/M:128/K:256/N:64", 128, 256, 64, Op::kNN},
   };
-  const std::string isa = sdpa::gemm::isa_name();
+  const std::string isa = sdpa::cpu_isa();
   for (const Shape& s : shapes) {
     const bool tile = s.m <= 128;
     for (int threads : {1, 2}) {

@@ -7,6 +7,8 @@
 // one head, odd sizes on forced tiny and default tiles, strided and fused layouts. Also: the same bits on
 // 1 and 2 threads and in repeated calls, non-finite values behind hidden keys, empty problems, and no
 // allocation of size nq * nk.
+#include "support/alloc_tracking.hpp"
+
 #include "sdpa/kernels/backward.hpp"
 
 #include <gtest/gtest.h>
@@ -30,33 +32,8 @@
 #include "sdpa/kernels/tiled.hpp"
 #include "sdpa/mask.hpp"
 
-// Largest operator-new request while g_track_allocations is set: the O(N) memory test reads it.
-namespace {
-std::atomic<bool> g_track_allocations{false};
-std::atomic<std::size_t> g_largest_allocation{0};
-}  // namespace
 
-// GCC sees free() on a pointer from operator new; this replacement pairs them, so the warning is moot.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void* operator new(std::size_t size) {
-  if (g_track_allocations.load(std::memory_order_relaxed)) {
-    std::size_t seen = g_largest_allocation.load(std::memory_order_relaxed);
-    while (size > seen && !g_largest_allocation.compare_exchange_weak(seen, size)) {
-    }
-  }
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
-namespace {
+namespace backward_test {
 
 using Index = Eigen::Index;
 using sdpa::MaskedRows;
@@ -976,13 +953,15 @@ TEST(BackwardMemory, LongSequenceAllocatesNoScoreMatrix) {
   s.d_v = 4;
   s.key_lengths = {s.nk - 5};
   auto t = make_problem<float>(s);
-  g_largest_allocation = 0;
-  g_track_allocations = true;
-  sdpa::kernels::tiled_backward(t->bp);
-  g_track_allocations = false;
+  std::size_t largest = 0;
+  {
+    sdpa_test::alloc::Scope allocations;  // operator new and the library's aligned_alloc
+    sdpa::kernels::tiled_backward(t->bp);
+    largest = allocations.largest();
+  }
   const std::size_t scores = static_cast<std::size_t>(s.nq) * static_cast<std::size_t>(s.nk) * sizeof(float);
-  EXPECT_LT(g_largest_allocation.load(), scores / 64) << "largest allocation " << g_largest_allocation.load();
+  EXPECT_LT(largest, scores / 64) << "largest allocation " << largest;
   for (float x : t->grads) ASSERT_TRUE(std::isfinite(x));
 }
 
-}  // namespace
+}  // namespace backward_test

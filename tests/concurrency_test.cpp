@@ -15,7 +15,7 @@
 
 #include "support/reference.hpp"
 
-namespace {
+namespace concurrency_test {
 
 using Index = Eigen::Index;
 using sdpa_test::Rng;
@@ -185,4 +185,4 @@ TYPED_TEST(ConcurrencyTest, ConcurrentTrainingCallsTakeDistinctDraws) {
   EXPECT_TRUE(TestFixture::identical(b.forward(q, k, k), a.forward(q, k, k)));
 }
 
-}  // namespace
+}  // namespace concurrency_test

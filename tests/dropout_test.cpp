@@ -14,7 +14,7 @@
 
 #include "support/reference.hpp"
 
-namespace {
+namespace dropout_test {
 
 using Index = Eigen::Index;
 using sdpa::MaskedRows;
@@ -270,4 +270,4 @@ TYPED_TEST(DropoutTest, EvalIgnoresDropoutAndDoesNotAdvanceTheStream) {
   EXPECT_TRUE(TestFixture::identical(a.forward(q, k, k), b.forward(q, k, k)));
 }
 
-}  // namespace
+}  // namespace dropout_test

@@ -1,6 +1,5 @@
-// sdpa::gemm against plain double-precision loops written here, for float and double, in whichever ISA
-// variant this file is compiled for (the default build, -march=haswell for AVX2, -march=x86-64 for the
-// Eigen fallback). Sizes: small and odd ones, primes, and the micro-tile and cache-block boundaries (mr,
+// sdpa::gemm against plain double-precision loops written here, for float and double, on the path
+// sdpa::cpu_isa() names (ctest runs this file once per path the CPU has: SDPA_ISA=avx512, avx2, portable). Sizes: small and odd ones, primes, and the micro-tile and cache-block boundaries (mr,
 // nr, kc, nc, mc of this build's blocking) +-1, k = 0, m or n = 0; strided operands; alpha/beta variants,
 // beta = 0 over a C full of NaN; the bias epilogue; the packed API and its storage reuse; 1 and 2
 // threads, whose results must be bit-identical.
@@ -25,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace gemm_test {
 
 using Index = Eigen::Index;
 namespace gemm = sdpa::gemm;
@@ -67,7 +66,7 @@ struct Shape {
 std::string describe(Op op, const Shape& s, double alpha, double beta, bool strided, int threads) {
   return std::string(op_name(op)) + " m=" + std::to_string(s.m) + " n=" + std::to_string(s.n) +
          " k=" + std::to_string(s.k) + " alpha=" + std::to_string(alpha) + " beta=" + std::to_string(beta) +
-         (strided ? " strided" : " dense") + " threads=" + std::to_string(threads) + " isa=" + gemm::isa_name();
+         (strided ? " strided" : " dense") + " threads=" + std::to_string(threads) + " isa=" + sdpa::cpu_isa();
 }
 
 const Eigen::ThreadPoolDevice* two_threads() {
@@ -557,14 +556,23 @@ TEST(GemmBlocking, FollowsTheDocumentedRule) {
   EXPECT_EQ(gemm::detail::compute_blocking(1, 1, 4, 48 << 10, 1 << 20, 1 << 20).kc, 1024);
 }
 
-TEST(GemmIsa, MatchesTheCompilerTarget) {
-#if defined(__AVX512F__)
-  EXPECT_STREQ(gemm::isa_name(), "avx512");
-#elif defined(__AVX2__) && defined(__FMA__)
-  EXPECT_STREQ(gemm::isa_name(), "avx2");
-#else
-  EXPECT_STREQ(gemm::isa_name(), "eigen");
-#endif
+// The products run on the path sdpa::cpu_isa() names (ctest runs this file once per path the CPU has):
+// its register tile, whose rows decide the blocking.
+TEST(GemmIsa, FollowsTheChosenPath) {
+  const std::string isa = sdpa::cpu_isa();
+  const Index mr = gemm::blocking<float>().mr, nr = gemm::blocking<float>().nr;
+  if (isa == "avx512") {
+    EXPECT_EQ(mr, 12);
+    EXPECT_EQ(nr, 32);
+  } else if (isa == "avx2") {
+    EXPECT_EQ(mr, 6);
+    EXPECT_EQ(nr, 16);
+  } else {
+    EXPECT_EQ(isa, "portable");
+    EXPECT_EQ(mr, 1);
+    EXPECT_EQ(nr, 1);
+  }
+  EXPECT_EQ(gemm::blocking<double>(sdpa::Isa::kPortable).mr, 1);
 }
 
-}  // namespace
+}  // namespace gemm_test

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace {
+namespace init_test {
 
 using sdpa::Fans;
 using sdpa::FanMode;
@@ -480,4 +480,4 @@ TYPED_TEST(InitTest, BadParametersThrowAndLeaveTheTensorAlone) {
   EXPECT_EQ(gen(), Philox(4)());  // refusals draw nothing
 }
 
-}  // namespace
+}  // namespace init_test

@@ -4,31 +4,9 @@
 // staying small), ALiBi, key_lengths and a mask over the cache; attend for cross-attention equals
 // forward(q, memory, memory) on both kernels; reorder and truncate against recomputation; batch entries
 // independent; 1 and 2 threads; training-mode dropout in attend drops what forward drops for the same call
-// index; every refusal leaves the cache unchanged; a step on a cache with room allocates nothing (counted)
-// and can write into a caller's TensorMap.
-#include <atomic>
-#include <cstdlib>
-#include <new>
-
-namespace {
-std::atomic<bool> g_count_allocations{false};
-std::atomic<long> g_allocations{0};
-}  // namespace
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void* operator new(std::size_t size) {
-  if (g_count_allocations.load(std::memory_order_relaxed)) g_allocations.fetch_add(1);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+// index; every refusal leaves the cache unchanged; a step on a cache with room allocates nothing (operator new
+// and the library's aligned_alloc counted) and can write into a caller's TensorMap.
+#include "support/alloc_tracking.hpp"
 
 #include "sdpa/kv_cache.hpp"
 
@@ -42,7 +20,7 @@ void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 #include "support/reference.hpp"
 
-namespace {
+namespace kv_cache_test {
 
 using Index = Eigen::Index;
 using sdpa_test::expect_invalid;
@@ -384,11 +362,13 @@ TYPED_TEST(KVCacheTest, StepsWithRoomAllocateNothing) {
     typename TestFixture::Options o;
     o.alibi_slopes = sdpa::alibi_slopes<TypeParam>(4);
     m.step(token, cache, o, out_map);  // warms the step's scratch up
-    g_allocations = 0;
-    g_count_allocations = true;
-    for (int i = 0; i < 20; ++i) m.step(token, cache, o, out_map);
-    g_count_allocations = false;
-    EXPECT_EQ(g_allocations.load(), 0) << "batch " << batch;
+    long allocations = 0;
+    {
+      sdpa_test::alloc::Scope scope;  // operator new and the library's aligned_alloc
+      for (int i = 0; i < 20; ++i) m.step(token, cache, o, out_map);
+      allocations = scope.count();
+    }
+    EXPECT_EQ(allocations, 0) << "batch " << batch;
     // The TensorMap got the step's result.
     cache.truncate(cache.size() - 1);
     const auto y = m.step(token, cache, o);
@@ -421,4 +401,4 @@ TYPED_TEST(KVCacheTest, PositionsAndGrowth) {
   EXPECT_LT(max_relative_error(c2.values(), sdpa_test::to_array3(v)), 1e-6);
 }
 
-}  // namespace
+}  // namespace kv_cache_test

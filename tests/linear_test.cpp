@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <new>
 #include <stdexcept>
@@ -15,7 +16,7 @@
 
 #include "support/reference.hpp"
 
-namespace {
+namespace linear_test {
 
 using Index = Eigen::Index;
 using sdpa_test::expect_invalid;
@@ -256,4 +257,16 @@ TYPED_TEST(LinearTest, RefusesWrongInputLastDimension) {
   expect_invalid([&] { l(x0); }, {"last dimension", "5", "(2, 0, 4)"});
 }
 
-}  // namespace
+// Which product backend the layer runs: with sdpa::onednn linked, float goes through oneDNN's sgemm exactly
+// when the test binary is registered for it (SDPA_TEST_BACKEND=onednn, support/test_main.cpp); otherwise
+// through sdpa's own products (this suite's default registrations cover those).
+TEST(LinearTestBackend, FollowsTheRegistration) {
+#ifdef SDPA_USE_ONEDNN
+  const char* backend = std::getenv("SDPA_TEST_BACKEND");
+  EXPECT_EQ(sdpa::onednn_projections(), backend != nullptr && std::string(backend) == "onednn");
+#else
+  GTEST_SKIP() << "built without sdpa::onednn";
+#endif
+}
+
+}  // namespace linear_test

@@ -19,7 +19,7 @@
 
 #include "support/reference.hpp"
 
-namespace {
+namespace mask_test {
 
 using Index = Eigen::Index;
 using sdpa::Mask;
@@ -218,4 +218,4 @@ TEST(ParallelFor, BalancedGrain) {
   EXPECT_EQ(sdpa::balanced_grain(pc.device.get(), 100, 1), 50);
 }
 
-}  // namespace
+}  // namespace mask_test

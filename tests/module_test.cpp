@@ -18,7 +18,7 @@
 
 #include "support/reference.hpp"
 
-namespace {
+namespace module_test {
 
 using sdpa::MaskedRows;
 using sdpa_test::Array3;
@@ -1020,4 +1020,4 @@ TYPED_TEST(ModuleTest, ForwardRefusesBadInputsWithoutComputing) {
   TestFixture::expect_identical(m.forward(q, k, v), twin.forward(q, k, v));
 }
 
-}  // namespace
+}  // namespace module_test

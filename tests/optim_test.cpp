@@ -23,7 +23,7 @@
 #include "sdpa/scaled_dot_product_attention.hpp"
 #include "support/fixture.hpp"
 
-namespace {
+namespace optim_test {
 
 using Index = Eigen::Index;
 using sdpa_test::Fixture;
@@ -432,4 +432,4 @@ TYPED_TEST(OptimTest, SetLrTakesEffectAtTheNextStep) {
   EXPECT_EQ(m.data, before.data);
 }
 
-}  // namespace
+}  // namespace optim_test

@@ -20,7 +20,7 @@
 
 #include "support/reference.hpp"
 
-namespace {
+namespace options_test {
 
 using Index = Eigen::Index;
 using sdpa::MaskedRows;
@@ -381,4 +381,4 @@ TEST(AlibiSlopes, MatchThePaper) {
   expect_invalid([] { sdpa::alibi_slopes<float>(0); }, {"heads", "positive", "0"});
 }
 
-}  // namespace
+}  // namespace options_test

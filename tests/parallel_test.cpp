@@ -15,7 +15,7 @@
 
 #include "sdpa/scaled_dot_product_attention.hpp"
 
-namespace {
+namespace parallel_test {
 
 using Index = Eigen::Index;
 
@@ -146,4 +146,4 @@ TEST(ParallelFor, ForwardFromInsideThePoolDoesNotDeadlock) {
   }
 }
 
-}  // namespace
+}  // namespace parallel_test

@@ -21,7 +21,7 @@
 
 #include "support/fixture.hpp"
 
-namespace {
+namespace parity_test {
 
 using sdpa_test::Fixture;
 
@@ -275,4 +275,4 @@ TEST(ParityFixtures, ReaderRejectsBadFiles) {
   EXPECT_THROW(Fixture::load(write("real_cut.sdpafix", real.substr(0, real.size() - 9))), std::runtime_error);
 }
 
-}  // namespace
+}  // namespace parity_test

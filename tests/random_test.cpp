@@ -10,7 +10,7 @@
 
 #include "sdpa/random.hpp"
 
-namespace {
+namespace random_test {
 
 // Known-answer tests from Random123's kat_vectors (philox4x32 10 rounds), published with the algorithm.
 TEST(Philox, KnownAnswerZero) {
@@ -130,13 +130,14 @@ TEST(DropoutSampler, BlockAgreesWithElementwise) {
   }
 }
 
-// fill_bits (vectorised with AVX-512 in blocks of 16, scalar for the tail) must give block()'s words.
+// fill_bits (vectorised on the AVX2 and AVX-512 paths in blocks of 8 or 16, scalar for the tail) must give
+// block()'s words on the path chosen now (simd_test checks every path).
 TEST(DropoutSampler, FillBitsAgreesWithBlock) {
   sdpa::DropoutSampler s(0x1234567890abcdefULL, 7, 0.4);
   for (std::int64_t begin : {std::int64_t{0}, std::int64_t{1}, std::int64_t{5}, std::int64_t{1000}, std::int64_t{4294967290}}) {
     for (std::int64_t blocks : {0, 1, 15, 16, 17, 33, 64}) {
       std::vector<std::uint32_t> out(static_cast<std::size_t>(4 * blocks) + 1, 0xdeadbeefu);
-      s.fill_bits(11, 3, begin, blocks, out.data());
+      s.fill_bits(sdpa::active_isa(), 11, 3, begin, blocks, out.data());
       for (std::int64_t i = 0; i < blocks; ++i) {
         const auto words = s.block(11, 3, begin + i);
         for (int j = 0; j < 4; ++j)
@@ -148,7 +149,7 @@ TEST(DropoutSampler, FillBitsAgreesWithBlock) {
   }
 }
 
-}  // namespace
+}  // namespace random_test
 
 // The process-wide seed sequence: sdpa::manual_seed restarts it, consecutive seeds differ, other bases
 // give other sequences, and concurrent draws never hand out the same seed twice.

@@ -21,7 +21,7 @@
 
 #include "sdpa/scaled_dot_product_attention.hpp"
 
-namespace {
+namespace safetensors_test {
 
 using sdpa::LoadOptions;
 using sdpa::SafetensorsError;
@@ -759,12 +759,12 @@ TEST(SafetensorsMalformed, LongNamesAreCutInMessages) {
   }
 }
 
-}  // namespace
+}  // namespace safetensors_test
 
 // ------------------------------------------------------------------------------------------------
 // Key/value caches: a parked conversation resumes exactly; a file for another module's shape is refused
 // with the cache unchanged.
-namespace {
+namespace safetensors_test {
 TEST(SafetensorsKVCache, RoundTripResumesExactly) {
   ScaledDotProductAttention<float> m(16, 4, 6, 2);
   m.eval();
@@ -807,4 +807,4 @@ TEST(SafetensorsKVCache, RoundTripResumesExactly) {
   const auto weights = sdpa::save_safetensors_to_memory(m);
   EXPECT_THROW(sdpa::load_kv_cache_from_memory(parked, weights.data(), weights.size(), "weights"), SafetensorsError);
 }
-}  // namespace
+}  // namespace safetensors_test

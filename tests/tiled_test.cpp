@@ -3,8 +3,10 @@
 // cache-derived default, query groups), every broadcast form of mask and weights, causal, key-padding and
 // sliding-window masks, fully masked rows under both policies, large logits, dropout, fused and padded
 // strided layouts, and a two-thread device. Also: tiles that are fully masked are skipped (counted, and
-// never read), the softmax's exp against std::exp, the block rule, no Eigen heap allocation in the tile
-// loop, and no allocation of size nq * nk for a long sequence.
+// never read), the block rule, no Eigen heap allocation in the tile loop, and no allocation of size
+// nq * nk for a long sequence (operator new and the library's aligned_alloc counted). Every tile is also
+// run with its products on unpacked operands, which must give the same bits. (The softmax's exponent is
+// tested on every path in simd_test.cpp.)
 //
 // EIGEN_RUNTIME_NO_MALLOC and this eigen_assert let a test forbid Eigen's heap allocations and see them
 // even in a Release build; they must come before any Eigen header.
@@ -13,14 +15,16 @@
 #include <cstdlib>
 #include <new>
 
-namespace {
+#include "support/alloc_tracking.hpp"
+
+namespace tiled_test {
 std::atomic<int> g_eigen_assert_failures{0};
-}  // namespace
+}  // namespace tiled_test
 #define EIGEN_RUNTIME_NO_MALLOC
 #define eigen_assert(x)                                                                            \
   do {                                                                                             \
     if (!(x)) {                                                                                    \
-      g_eigen_assert_failures.fetch_add(1);                                                        \
+      ::tiled_test::g_eigen_assert_failures.fetch_add(1);                                          \
       std::fprintf(stderr, "eigen_assert failed: %s (%s:%d)\n", #x, __FILE__, __LINE__);          \
     }                                                                                              \
   } while (false)
@@ -43,33 +47,8 @@ std::atomic<int> g_eigen_assert_failures{0};
 #include "sdpa/kernels/reference.hpp"
 #include "sdpa/mask.hpp"
 
-// Largest operator-new request while g_track_allocations is set: the O(N) memory test reads it.
-namespace {
-std::atomic<bool> g_track_allocations{false};
-std::atomic<std::size_t> g_largest_allocation{0};
-}  // namespace
 
-// GCC sees free() on a pointer from operator new; this replacement pairs them, so the warning is moot.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void* operator new(std::size_t size) {
-  if (g_track_allocations.load(std::memory_order_relaxed)) {
-    std::size_t seen = g_largest_allocation.load(std::memory_order_relaxed);
-    while (size > seen && !g_largest_allocation.compare_exchange_weak(seen, size)) {
-    }
-  }
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
-namespace {
+namespace tiled_test {
 
 using Index = Eigen::Index;
 using sdpa::MaskedRows;
@@ -191,13 +170,30 @@ std::vector<T> run_reference(TestProblem<T>& t, const Eigen::ThreadPoolDevice* d
 }
 
 template <typename T>
-std::vector<T> run_tiled(TestProblem<T>& t, const Eigen::ThreadPoolDevice* device = nullptr,
-                         TileConfig config = TileConfig{}, TileStats* stats = nullptr) {
+std::vector<T> run_tiled_once(TestProblem<T>& t, const Eigen::ThreadPoolDevice* device, TileConfig config,
+                              TileStats* stats) {
   // Garbage in the output first: the kernel must write every element.
   std::vector<T> out(static_cast<std::size_t>(t.out_size()), T(-7));
   AttentionProblem<T> p = t.p;
   p.out = {out.data(), p.nq * p.heads * p.d_v, p.heads * p.d_v, p.d_v};
   sdpa::kernels::tiled_attention(p, device, config, stats);
+  return out;
+}
+
+// The tiled kernel's output; it also runs the same problem with every tile's products on the operands
+// where they lie (TileConfig::pack_operands false, the path the packing is checked against), which must
+// give the same bits: the products sum in the same order either way.
+template <typename T>
+std::vector<T> run_tiled(TestProblem<T>& t, const Eigen::ThreadPoolDevice* device = nullptr,
+                         TileConfig config = TileConfig{}, TileStats* stats = nullptr) {
+  std::vector<T> out = run_tiled_once(t, device, config, stats);
+  if (config.pack_operands) {
+    TileConfig unpacked = config;
+    unpacked.pack_operands = false;
+    const std::vector<T> plain = run_tiled_once(t, device, unpacked, nullptr);
+    EXPECT_EQ(std::memcmp(out.data(), plain.data(), out.size() * sizeof(T)), 0)
+        << "packed and unpacked tile products differ";
+  }
   return out;
 }
 
@@ -691,7 +687,7 @@ TYPED_TEST(TiledTest, QueriesReadInPlaceGiveThePackedScores) {
         for (T& x : v) x = T(uniform(gen));
         const T alpha = T(1) / std::sqrt(T(d));
         std::vector<T> packed(static_cast<std::size_t>(rows * lds), T(-3)), in_place = packed;
-        sdpa::kernels::TileProducts<T> products(rows, cols, 1, d, d);
+        sdpa::kernels::TileProducts<T> products(rows, cols, 1, d, d, sdpa::active_isa());
         products.set_keys(k.data(), ldk, v.data(), ldk, cols);
         products.new_group(/*single_key_block=*/false);
         products.scores(0, q.data(), ldq, rows, 0, rows, 0, cols, alpha, packed.data(), lds);
@@ -868,73 +864,6 @@ TYPED_TEST(TiledTest, HiddenTilesAreNeverComputedForAnyOption) {
   EXPECT_EQ(computed(OptionSet<T>{}), s.batch * q_blocks * k_blocks);
 }
 
-// The softmax's exp pass, whichever implementation this build uses, against std::exp: every length up to
-// a few packets (masked tails), arguments from 0 down past the float range, masked -inf (which must give
-// exactly 0 where the implementation promises it) and NaN (which must stay NaN).
-template <typename T, typename Exp>
-void check_shifted_exp() {
-  std::mt19937 gen(77);
-  std::uniform_real_distribution<double> spread(-120.0, 0.0), near(-3.0, 0.0);
-  const T shift = T(3.5);
-  for (Index n = 1; n <= 70; ++n) {
-    std::vector<T> x(static_cast<std::size_t>(n));
-    for (Index j = 0; j < n; ++j) {
-      T v = T(j % 2 == 0 ? near(gen) : spread(gen)) + shift;
-      if (j % 7 == 3) v = -std::numeric_limits<T>::infinity();
-      if (j % 11 == 5) v = shift;  // exp(0)
-      x[static_cast<std::size_t>(j)] = v;
-    }
-    std::vector<T> want(x.size());
-    double sum = 0;
-    for (std::size_t j = 0; j < x.size(); ++j) {
-      want[j] = std::exp(x[j] - shift);
-      sum += double(want[j]);
-    }
-    std::vector<T> got = x;
-    const T got_sum = Exp::run(got.data(), n, shift);
-    for (std::size_t j = 0; j < x.size(); ++j) {
-      if (std::isinf(x[j]) && Exp::kExpZeroesMasked) {
-        EXPECT_EQ(got[j], T(0)) << "n " << n << " j " << j;
-      }
-      // A few ulp where the result is a normal number; below that (exp(-87) and less) it may flush to 0.
-      const double tol = double(want[j]) >= double(std::numeric_limits<T>::min())
-                             ? 4 * std::numeric_limits<T>::epsilon() * double(want[j])
-                             : double(std::numeric_limits<T>::min());
-      EXPECT_NEAR(double(got[j]), double(want[j]), tol) << "n " << n << " j " << j << " x " << x[j];
-    }
-    EXPECT_NEAR(double(got_sum), sum, 8 * std::numeric_limits<T>::epsilon() * sum) << "n " << n;
-  }
-  T nan_row[3] = {shift, std::numeric_limits<T>::quiet_NaN(), shift - 1};
-  EXPECT_TRUE(std::isnan(Exp::run(nan_row, 3, shift)));
-  EXPECT_TRUE(std::isnan(nan_row[1]));
-  // Arguments above the shift (a backward pass's s - lse may round to just above 0): up to where exp
-  // overflows, and past it (+inf, also for arguments far beyond the overflow and for +inf itself).
-  std::uniform_real_distribution<double> above(0.0, 88.0);
-  std::vector<T> big(37);
-  for (std::size_t j = 0; j < big.size(); ++j) big[j] = T(above(gen)) + shift;
-  big[3] = shift + T(1e-6);
-  const std::vector<T> big_in = big;
-  Exp::run(big.data(), Index(big.size()), shift);
-  for (std::size_t j = 0; j < big.size(); ++j) {
-    const double want = std::exp(double(big_in[j] - shift));
-    EXPECT_NEAR(double(big[j]), want, 4 * std::numeric_limits<T>::epsilon() * want) << "x " << big_in[j];
-  }
-  // (46243800: where a float exp that reduces the argument without bounding it first gave -inf.)
-  const T huge = std::numeric_limits<T>::max();
-  T overflow[5] = {T(89), T(46243800), huge, std::numeric_limits<T>::infinity(), T(0)};
-  EXPECT_EQ(Exp::run(overflow, 5, T(0)), std::numeric_limits<T>::infinity());
-  if (std::is_same<T, float>::value) {  // double's exp overflows only from 709.8
-    for (int j = 0; j < 4; ++j) EXPECT_EQ(overflow[j], std::numeric_limits<T>::infinity()) << "j " << j;
-  }
-  EXPECT_EQ(overflow[4], T(1));
-}
-
-TEST(ShiftedExp, MatchesStdExp) {
-  check_shifted_exp<float, sdpa::kernels::detail::ShiftedExp<float>>();
-  check_shifted_exp<float, sdpa::kernels::detail::PortableShiftedExp<float>>();
-  check_shifted_exp<double, sdpa::kernels::detail::ShiftedExp<double>>();
-}
-
 TEST(TileConfig, DerivedFromTheCaches) {
   const auto is_pow2 = [](Index x) { return x > 0 && (x & (x - 1)) == 0; };
   for (Index l2 : {Index(256) << 10, Index(512) << 10, Index(1) << 20, Index(2) << 20})
@@ -1010,12 +939,14 @@ TEST(TiledMemory, LongSequenceAllocatesNoScoreMatrix) {
   std::vector<float> out(static_cast<std::size_t>(t->out_size()));
   AttentionProblem<float> p = t->p;
   p.out = {out.data(), p.nq * p.d_v, p.d_v, p.d_v};
-  g_largest_allocation = 0;
-  g_track_allocations = true;
-  sdpa::kernels::tiled_attention(p);
-  g_track_allocations = false;
+  std::size_t largest = 0;
+  {
+    sdpa_test::alloc::Scope allocations;  // operator new and the library's aligned_alloc
+    sdpa::kernels::tiled_attention(p);
+    largest = allocations.largest();
+  }
   const std::size_t scores = static_cast<std::size_t>(s.nq) * static_cast<std::size_t>(s.nk) * sizeof(float);
-  EXPECT_LT(g_largest_allocation.load(), scores / 64) << "largest allocation " << g_largest_allocation.load();
+  EXPECT_LT(largest, scores / 64) << "largest allocation " << largest;
   for (float x : out) ASSERT_TRUE(std::isfinite(x));
   // Spot-check a few rows against the reference on a cut-down problem with the same first rows.
   AttentionProblem<float> few = t->p;
@@ -1029,4 +960,4 @@ TEST(TiledMemory, LongSequenceAllocatesNoScoreMatrix) {
   EXPECT_TRUE(outputs_match(std::vector<float>(out.begin(), out.begin() + 3 * s.d_v), want));
 }
 
-}  // namespace
+}  // namespace tiled_test

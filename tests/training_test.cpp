@@ -18,7 +18,7 @@
 #include "support/fixture.hpp"
 #include "support/reference.hpp"
 
-namespace {
+namespace training_test {
 
 using Index = Eigen::Index;
 using sdpa_test::Fixture;
@@ -315,4 +315,4 @@ TEST(TrainingErrors, BadGradOutputStateOfAnotherModuleAndEmptyState) {
   EXPECT_NO_THROW(moved.backward(x, state));
 }
 
-}  // namespace
+}  // namespace training_test

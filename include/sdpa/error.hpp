@@ -3,12 +3,14 @@
 // std::invalid_argument; file problems (see io/) use std::runtime_error.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include <cstddef>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace detail {
 
 // "(2, 3, 4)" for any container of integers, or a raw pointer + count.
@@ -46,4 +48,4 @@ template <typename Expected, typename Actual>
 }
 
 }  // namespace detail
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -6,6 +6,8 @@
 // they must stay alive, unchanged, until backward.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <cstdint>
@@ -15,7 +17,7 @@
 #include "sdpa/options.hpp"
 #include "sdpa/random.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 template <typename Scalar>
 class ScaledDotProductAttention;
@@ -56,4 +58,4 @@ class ForwardState {
   Scalar keep_scale_ = Scalar(1);
 };
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -3,6 +3,8 @@
 // parameter gradients by state_dict name, in the module's order, for optimizers (sdpa/optim.hpp).
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <string>
@@ -10,7 +12,7 @@
 
 #include "sdpa/parameter.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 template <typename Scalar>
 struct LinearGradients {
@@ -39,4 +41,4 @@ struct Gradients {
   }
 };
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

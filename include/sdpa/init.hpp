@@ -8,6 +8,8 @@
 // generator, and all arithmetic is in double before the cast to the tensor's scalar.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -17,7 +19,7 @@
 #include "sdpa/error.hpp"
 #include "sdpa/random.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 // fan_in and fan_out as torch.nn.init._calculate_fan_in_and_fan_out computes them.
 struct Fans {
@@ -471,4 +473,4 @@ struct PyTorchDefaultPolicy {
 };
 
 }  // namespace init
-}  // namespace sdpa
+SDPA_NAMESPACE_END

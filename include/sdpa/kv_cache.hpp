@@ -7,6 +7,8 @@
 // entries held are then those of positions first_position() .. position() - 1.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
@@ -18,7 +20,7 @@
 #include "sdpa/kernels/decode.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 template <typename Scalar>
 class KVCache {
@@ -208,4 +210,4 @@ class KVCache {
   kernels::DecodeWorkspace<Scalar> decode_;
 };
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -3,6 +3,8 @@
 // through Eigen::Map, optionally split by rows over a thread pool.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <array>
@@ -14,7 +16,7 @@
 #include "sdpa/kernels/projection.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 template <typename Scalar>
 class Linear {
@@ -91,4 +93,4 @@ class Linear {
   Bias bias_;
 };
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -4,6 +4,8 @@
 // the view with full coordinates and never expand the tensor.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <array>
@@ -12,7 +14,7 @@
 
 #include "sdpa/error.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 using Mask = Eigen::Tensor<bool, 4, Eigen::RowMajor>;
 
@@ -83,4 +85,4 @@ inline Mask causal_mask(Eigen::Index nq, Eigen::Index nk) {
   return mask;
 }
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

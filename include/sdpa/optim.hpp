@@ -10,6 +10,8 @@
 // PyTorch's float32 run to rounding. Not in the umbrella header: include sdpa/optim.hpp to train.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,7 +27,7 @@
 #include "sdpa/gradients.hpp"
 #include "sdpa/parameter.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace optim {
 namespace detail {
 
@@ -333,4 +335,4 @@ class AdamW : public detail::AdamRule<Scalar> {
 };
 
 }  // namespace optim
-}  // namespace sdpa
+SDPA_NAMESPACE_END

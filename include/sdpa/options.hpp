@@ -5,6 +5,8 @@
 // ALiBi paper's slopes.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <cmath>
@@ -12,7 +14,7 @@
 
 #include "sdpa/error.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 // What a query whose every key is hidden (by the mask, causal, a window or its key length) gets: zero
 // attention output (PyTorch's SDPA since 2.5, ggml, CTranslate2), or NaN as the original module's softmax
@@ -65,4 +67,4 @@ std::vector<Scalar> alibi_slopes(Eigen::Index heads) {
   return slopes;
 }
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

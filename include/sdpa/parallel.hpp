@@ -7,6 +7,8 @@
 // worker's scratch) made once per thread that takes part, for kernels whose chunks share it.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
@@ -15,7 +17,7 @@
 #include <memory>
 #include <mutex>
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 // Number of workers `parallel_for` uses with this device.
 inline int worker_count(const Eigen::ThreadPoolDevice* device) noexcept {
@@ -107,4 +109,4 @@ inline Eigen::Index balanced_grain(const Eigen::ThreadPoolDevice* device, Eigen:
   return std::max<Eigen::Index>(1, (n + parts - 1) / parts);
 }
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

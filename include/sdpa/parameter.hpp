@@ -2,12 +2,14 @@
 // shape; what named_parameters() of the module and of Gradients return.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <string>
 #include <vector>
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 // A parameter reached by its PyTorch state_dict name; T is Scalar or const Scalar.
 template <typename T>
@@ -23,4 +25,4 @@ struct ParameterRef {
   }
 };
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

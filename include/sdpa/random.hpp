@@ -5,6 +5,8 @@
 // process-wide state is the sequence of default module seeds (sdpa::manual_seed), as in PyTorch.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include <array>
 #include <cstddef>
 #include <cmath>
@@ -12,9 +14,10 @@
 #include <limits>
 #include <mutex>
 
-#include "sdpa/detail/intrinsics.hpp"
+#include "sdpa/cpu.hpp"
+#include "sdpa/simd/dispatch.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 using PhiloxCounter = std::array<std::uint32_t, 4>;
 using PhiloxKey = std::array<std::uint32_t, 2>;
@@ -163,41 +166,13 @@ class DropoutSampler {
   }
 
   // The words of `blocks` consecutive blocks k4_begin, k4_begin + 1, ... of row (bh, q):
-  // out[4 * i + j] = block(bh, q, k4_begin + i)[j], i.e. out[k - 4 * k4_begin] decides key k. With AVX-512
-  // sixteen blocks go through the rounds at once (the dropout mask of a tile costs about a tenth of
-  // asking block() per key group).
-  void fill_bits(std::int64_t bh, std::int64_t q, std::int64_t k4_begin, std::int64_t blocks,
+  // out[4 * i + j] = block(bh, q, k4_begin + i)[j], i.e. out[k - 4 * k4_begin] decides key k. On the AVX2
+  // and AVX-512 paths 8 or 16 blocks go through the rounds at once (simd/dispatch.hpp; with AVX-512 the
+  // dropout mask of a tile costs about a tenth of asking block() per key group); the words are the same on
+  // every path.
+  void fill_bits(Isa isa, std::int64_t bh, std::int64_t q, std::int64_t k4_begin, std::int64_t blocks,
                  std::uint32_t* out) const noexcept {
-    std::int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53u));
-    const __m512i m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57u));
-    for (; i + 16 <= blocks; i += 16) {
-      __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<std::uint32_t>(k4_begin + i))), lanes);
-      __m512i c1 = _mm512_set1_epi32(static_cast<int>(static_cast<std::uint32_t>(q)));
-      __m512i c2 = _mm512_set1_epi32(static_cast<int>(static_cast<std::uint32_t>(bh)));
-      __m512i c3 = _mm512_set1_epi32(static_cast<int>(call_));
-      std::uint32_t k0 = key_[0], k1 = key_[1];
-      for (int round = 0; round < 10; ++round) {
-        const __m512i lo0 = _mm512_mullo_epi32(c0, m0), hi0 = mulhi_u32(c0, m0);
-        const __m512i lo1 = _mm512_mullo_epi32(c2, m1), hi1 = mulhi_u32(c2, m1);
-        c0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
-        c1 = lo1;
-        c2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
-        c3 = lo0;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-      }
-      alignas(64) std::uint32_t w[4][16];
-      _mm512_store_si512(w[0], c0);
-      _mm512_store_si512(w[1], c1);
-      _mm512_store_si512(w[2], c2);
-      _mm512_store_si512(w[3], c3);
-      for (int l = 0; l < 16; ++l)
-        for (int j = 0; j < 4; ++j) out[4 * (i + l) + j] = w[j][l];
-    }
-#endif
+    std::int64_t i = simd::philox_fill(isa, key_[0], key_[1], call_, bh, q, k4_begin, blocks, out);
     for (; i < blocks; ++i) {
       const PhiloxCounter words = block(bh, q, k4_begin + i);
       for (int j = 0; j < 4; ++j) out[4 * i + j] = words[static_cast<std::size_t>(j)];
@@ -211,18 +186,9 @@ class DropoutSampler {
   }
 
  private:
-#if defined(__AVX512F__)
-  // High 32 bits of the 32x32-bit products of each lane.
-  static __m512i mulhi_u32(__m512i a, __m512i b) noexcept {
-    const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(a, b), 32);
-    const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), _mm512_srli_epi64(b, 32));
-    return _mm512_mask_blend_epi32(0xAAAA, even, odd);
-  }
-#endif
-
   PhiloxKey key_;
   std::uint32_t call_;
   std::uint64_t threshold_;
 };
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -4,6 +4,8 @@
 // argument checks, and hands the attention core to a kernel in kernels/.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <atomic>
@@ -33,7 +35,7 @@
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 // Which attention core forward() runs: kAuto is the tiled kernel; kReference is the plain path the tiled
 // kernel is tested against (it holds a whole row of scores per query and is several times slower).
@@ -955,4 +957,4 @@ class ScaledDotProductAttention {
   mutable detail::ScratchPool<Scalar> scratch_;  // forward's buffers, kept between calls (scratch_pool.hpp)
 };
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

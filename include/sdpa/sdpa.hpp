@@ -2,6 +2,7 @@
 // its Linear layer, init strategies, masks and counter-based random numbers.
 #pragma once
 
+#include "sdpa/cpu.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/problem.hpp"

@@ -4,6 +4,8 @@
 // huge pages, which cuts the faults 512-fold. Elsewhere they are plain aligned allocations.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -15,7 +17,7 @@
 #include <sys/mman.h>
 #endif
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace detail {
 
 // Advises the 2 MiB pages wholly inside [p, p + bytes) for transparent huge pages, before anything touches
@@ -108,4 +110,4 @@ T* cache_line_start(std::vector<T>& buf) noexcept {
 }
 
 }  // namespace detail
-}  // namespace sdpa
+SDPA_NAMESPACE_END

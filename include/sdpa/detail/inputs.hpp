@@ -5,12 +5,14 @@
 // the call is instantiated.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <array>
 #include <type_traits>
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace detail {
 
 template <typename T, typename = void>
@@ -141,4 +143,4 @@ class Inputs {
 };
 
 }  // namespace detail
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -8,6 +8,8 @@
 // ScaledDotProductAttention::release_scratch() frees them.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include <algorithm>
 #include <cstddef>
 #include <memory>
@@ -18,7 +20,7 @@
 
 #include "sdpa/detail/buffer.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace detail {
 
 template <typename Scalar>
@@ -116,4 +118,4 @@ class ScratchPool {
 };
 
 }  // namespace detail
-}  // namespace sdpa
+SDPA_NAMESPACE_END

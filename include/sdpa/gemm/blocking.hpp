@@ -14,16 +14,15 @@
 // the order in which an element's products are summed is fixed for a given build and machine.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 #include <cstddef>
 
-#include "sdpa/gemm/isa.hpp"
-
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace gemm {
-inline namespace SDPA_GEMM_ABI_NAMESPACE {
 
 struct Blocking {
   Eigen::Index mr;  // micro-tile rows (A values broadcast per k step)
@@ -50,6 +49,5 @@ inline Blocking compute_blocking(Eigen::Index mr, Eigen::Index nr, Eigen::Index 
 }
 
 }  // namespace detail
-}  // namespace SDPA_GEMM_ABI_NAMESPACE
 }  // namespace gemm
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -6,13 +6,12 @@
 // (full or edge) it falls in, which is what makes results independent of the thread count.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
-#include "sdpa/gemm/isa.hpp"
-
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace gemm {
-inline namespace SDPA_GEMM_ABI_NAMESPACE {
 namespace detail {
 
 // A packed sliver: value r of k step p at a[p * Stride + r].
@@ -87,6 +86,5 @@ struct Epilogue {
 };
 
 }  // namespace detail
-}  // namespace SDPA_GEMM_ABI_NAMESPACE
 }  // namespace gemm
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -1,7 +1,7 @@
 // sdpa's own GEMM, the entry point of include/sdpa/gemm/: row-major products with leading dimensions in
 // elements, for the projections (y = x W^T + b with W in PyTorch's (out, in) layout) and the attention
-// tiles (q k^T, p v). Register-blocked AVX-512 or AVX2 micro-kernels over packed operands, chosen by the
-// compiler's target; Eigen's products otherwise. With an Eigen::ThreadPoolDevice the work is split over
+// tiles (q k^T, p v). Register-blocked AVX-512 or AVX2 micro-kernels over packed operands, chosen at run
+// time (sdpa/cpu.hpp); Eigen's products on the portable path. With an Eigen::ThreadPoolDevice the work is split over
 // rows and columns of C, never over k, so results are bit-identical for any number of threads. Where one
 // operand is reused across many products, packed.hpp keeps it packed (PackedA, PackedB, multiply).
 //
@@ -14,19 +14,20 @@
 // keeps the packing scratch from one call to the next; a workspace serves one call at a time.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
+#include "sdpa/cpu.hpp"
 #include "sdpa/gemm/blocking.hpp"
-#include "sdpa/gemm/isa.hpp"
 #include "sdpa/gemm/kernel.hpp"
 #include "sdpa/gemm/loops.hpp"
 #include "sdpa/gemm/packed.hpp"
 #include "sdpa/gemm/workspace.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace gemm {
-inline namespace SDPA_GEMM_ABI_NAMESPACE {
 
 namespace detail {
 inline void check_operands(Eigen::Index m, Eigen::Index n, Eigen::Index k, Eigen::Index lda, Eigen::Index ldb_min,
@@ -39,18 +40,18 @@ inline void check_operands(Eigen::Index m, Eigen::Index n, Eigen::Index k, Eigen
 }
 }  // namespace detail
 
+// Every function below runs on the path `isa` names (sdpa/cpu.hpp; by default the one chosen now).
+
 // C[m, n] (ldc) = alpha * A[m, k] (lda) * B[n, k]^T (ldb) + beta * C.
 template <typename Scalar>
 void gemm_nt(Eigen::Index m, Eigen::Index n, Eigen::Index k, detail::NoDeduceT<Scalar> alpha, const Scalar* a,
              Eigen::Index lda, const Scalar* b, Eigen::Index ldb, detail::NoDeduceT<Scalar> beta, Scalar* c,
              Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr,
-             Workspace<Scalar>* workspace = nullptr) {
+             Workspace<Scalar>* workspace = nullptr, Isa isa = active_isa()) {
   detail::check_operands(m, n, k, lda, k, ldb, ldc);
-  using K = detail::Kernel<Scalar>;
-  const auto pack_b = [b, ldb](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
-    K::pack_b_rows(cols, kcp, b + j0 * ldb + p0, ldb, dst);
-  };
-  detail::gemm_loops<Scalar>(m, n, k, alpha, a, lda, pack_b, beta, nullptr, c, ldc, device, workspace);
+  if (n <= 0) return;
+  const detail::Output<Scalar> out{n, b, ldb, /*transposed=*/true, nullptr, c, ldc};
+  detail::gemm_loops<Scalar>(isa, m, k, alpha, a, lda, &out, 1, beta, device, workspace);
 }
 
 // C[m, n] (ldc) = alpha * A[m, k] (lda) * B[k, n] (ldb) + beta * C.
@@ -58,26 +59,23 @@ template <typename Scalar>
 void gemm_nn(Eigen::Index m, Eigen::Index n, Eigen::Index k, detail::NoDeduceT<Scalar> alpha, const Scalar* a,
              Eigen::Index lda, const Scalar* b, Eigen::Index ldb, detail::NoDeduceT<Scalar> beta, Scalar* c,
              Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr,
-             Workspace<Scalar>* workspace = nullptr) {
+             Workspace<Scalar>* workspace = nullptr, Isa isa = active_isa()) {
   detail::check_operands(m, n, k, lda, n, ldb, ldc);
-  using K = detail::Kernel<Scalar>;
-  const auto pack_b = [b, ldb](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
-    K::pack_b_cols(cols, kcp, b + p0 * ldb + j0, ldb, dst);
-  };
-  detail::gemm_loops<Scalar>(m, n, k, alpha, a, lda, pack_b, beta, nullptr, c, ldc, device, workspace);
+  if (n <= 0) return;
+  const detail::Output<Scalar> out{n, b, ldb, /*transposed=*/false, nullptr, c, ldc};
+  detail::gemm_loops<Scalar>(isa, m, k, alpha, a, lda, &out, 1, beta, device, workspace);
 }
 
 // The projection y = x W^T + b: C[m, n] (ldc) = A[m, k] (lda) * W[n, k]^T (ldw) + bias[n]. C is not read.
 template <typename Scalar>
 void gemm_nt_bias(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* w,
                   Eigen::Index ldw, detail::NoDeduceT<const Scalar*> bias, Scalar* c, Eigen::Index ldc,
-                  const Eigen::ThreadPoolDevice* device = nullptr, Workspace<Scalar>* workspace = nullptr) {
+                  const Eigen::ThreadPoolDevice* device = nullptr, Workspace<Scalar>* workspace = nullptr,
+                  Isa isa = active_isa()) {
   detail::check_operands(m, n, k, lda, k, ldw, ldc);
-  using K = detail::Kernel<Scalar>;
-  const auto pack_b = [w, ldw](Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) {
-    K::pack_b_rows(cols, kcp, w + j0 * ldw + p0, ldw, dst);
-  };
-  detail::gemm_loops<Scalar>(m, n, k, Scalar(1), a, lda, pack_b, Scalar(0), bias, c, ldc, device, workspace);
+  if (n <= 0) return;
+  const detail::Output<Scalar> out{n, w, ldw, /*transposed=*/true, bias, c, ldc};
+  detail::gemm_loops<Scalar>(isa, m, k, Scalar(1), a, lda, &out, 1, Scalar(0), device, workspace);
 }
 
 // One projection of gemm_nt_bias_shared: C[m, n] (ldc) = A W[n, k]^T (ldw) + bias[n].
@@ -98,28 +96,20 @@ struct BiasedProduct {
 template <typename Scalar>
 void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, const Scalar* a, Eigen::Index lda,
                          const BiasedProduct<Scalar>* products, std::size_t count,
-                         const Eigen::ThreadPoolDevice* device = nullptr, Workspace<Scalar>* workspace = nullptr) {
-  using K = detail::Kernel<Scalar>;
-  struct PackW {
-    const Scalar* w;
-    Eigen::Index ldw;
-    void operator()(Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) const {
-      K::pack_b_rows(cols, kcp, w + j0 * ldw + p0, ldw, dst);
-    }
-  };
+                         const Eigen::ThreadPoolDevice* device = nullptr, Workspace<Scalar>* workspace = nullptr,
+                         Isa isa = active_isa()) {
   constexpr std::size_t kGroup = detail::kMaxOutputs;
   for (std::size_t o0 = 0; o0 < count; o0 += kGroup) {
     const std::size_t group = std::min(kGroup, count - o0);
-    detail::Output<Scalar, PackW> outputs[kGroup] = {};
+    detail::Output<Scalar> outputs[kGroup] = {};
     for (std::size_t o = 0; o < group; ++o) {
       const BiasedProduct<Scalar>& p = products[o0 + o];
       detail::check_operands(m, p.n, k, lda, k, p.ldw, p.ldc);
-      outputs[o] = {p.n, PackW{p.w, p.ldw}, p.bias, p.c, p.ldc};
+      outputs[o] = {p.n, p.w, p.ldw, /*transposed=*/true, p.bias, p.c, p.ldc};
     }
-    detail::gemm_loops<Scalar, PackW>(m, k, Scalar(1), a, lda, outputs, group, Scalar(0), device, workspace);
+    detail::gemm_loops<Scalar>(isa, m, k, Scalar(1), a, lda, outputs, group, Scalar(0), device, workspace);
   }
 }
 
-}  // namespace SDPA_GEMM_ABI_NAMESPACE
 }  // namespace gemm
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -13,6 +13,8 @@
 // in the micro-kernels, so results are bit-identical for any thread count (see min_items for Eigen's).
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
@@ -21,14 +23,12 @@
 
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
-#include "sdpa/gemm/isa.hpp"
 #include "sdpa/gemm/kernel.hpp"
 #include "sdpa/gemm/workspace.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace gemm {
-inline namespace SDPA_GEMM_ABI_NAMESPACE {
 namespace detail {
 
 // Keeps alpha and beta out of template argument deduction: Scalar comes from the pointers alone, so that
@@ -76,11 +76,11 @@ struct Split {
 // rows packs its B block again, and the 2450 x 4096 x 512 fc_o on two workers, cut into four items per k
 // block, ran 7-9% slower than in two (more packing than uneven items cost). The micro-kernels
 // round every element the same way in any tile, so the split cannot change their results; Eigen's
-// products can round differently for different shapes, so the fallback cuts every product the same way
-// whatever the number of workers.
-template <typename Scalar>
+// products can round differently for different shapes, so the portable kernel cuts every product the
+// same way whatever the number of workers.
+template <typename K>
 Eigen::Index min_items(Eigen::Index workers) noexcept {
-  if (Kernel<Scalar>::kShapeDependentRounding) return 4;
+  if (K::kShapeDependentRounding) return 4;
   return std::max<Eigen::Index>(1, workers);
 }
 
@@ -96,16 +96,25 @@ void scale_only(Eigen::Index m, Eigen::Index n, Scalar beta, const Scalar* bias,
   }
 }
 
-// One output of gemm_loops: C[m, n] (ldc) = alpha * A B + beta * C (+ bias[n]), with B reached through
-// pack_b(j0, cols, p0, kcp, dst), which packs B's columns [j0, j0 + cols) over k in [p0, p0 + kcp) into
-// nr-wide slivers at dst.
-template <typename Scalar, typename PackB>
+// One output of gemm_loops: C[m, n] (ldc) = alpha * A B + beta * C (+ bias[n]), with B given as b[n, k]
+// (`transposed`: keys, PyTorch's (out, in) weights; gemm_nt) or as b[k, n] (values; gemm_nn), leading
+// dimension ldb.
+template <typename Scalar>
 struct Output {
-  Eigen::Index n;
-  PackB pack_b;
-  const Scalar* bias;
-  Scalar* c;
-  Eigen::Index ldc;
+  Eigen::Index n = 0;
+  const Scalar* b = nullptr;
+  Eigen::Index ldb = 0;
+  bool transposed = true;
+  const Scalar* bias = nullptr;
+  Scalar* c = nullptr;
+  Eigen::Index ldc = 0;
+
+  // Packs B's columns [j0, j0 + cols) over k in [p0, p0 + kcp) into kernel K's nr-wide slivers at dst.
+  template <typename K>
+  void pack_b(Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) const noexcept {
+    if (transposed) K::pack_b_rows(cols, kcp, b + j0 * ldb + p0, ldb, dst);
+    else K::pack_b_cols(cols, kcp, b + p0 * ldb + j0, ldb, dst);
+  }
 };
 
 // At most this many outputs per gemm_loops call: their splits for a row block live on the stack, and each
@@ -114,21 +123,20 @@ constexpr std::size_t kMaxOutputs = 8;
 
 // The outputs' products with one A[m, k], row-major (a fused projection: q, k and v from the same rows):
 // their work items share one queue.
-template <typename Scalar, typename PackB>
+template <typename K, typename Scalar>
 void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
-                const Output<Scalar, PackB>* outputs, std::size_t count, Scalar beta,
-                const Eigen::ThreadPoolDevice* device, Workspace<Scalar>* workspace) {
+                const Output<Scalar>* outputs, std::size_t count, Scalar beta, const Eigen::ThreadPoolDevice* device,
+                Workspace<Scalar>* workspace) {
   using Index = Eigen::Index;
-  using K = Kernel<Scalar>;
   if (m <= 0) return;
   if (k <= 0 || alpha == Scalar(0)) {
     for (std::size_t o = 0; o < count; ++o) scale_only(m, outputs[o].n, beta, outputs[o].bias, outputs[o].c, outputs[o].ldc);
     return;
   }
-  const Blocking& bl = blocking<Scalar>();
+  const Blocking& bl = blocking_of<K, Scalar>();
   const Index kc = std::min(bl.kc, k);
   const Index mc = std::min(bl.mc, m);
-  const Index wanted = min_items<Scalar>(worker_count(device));
+  const Index wanted = min_items<K>(worker_count(device));
   // The split of each output over the first row block: how many items, and the widest B block.
   Index items = 0, widest_cols = 0;
   for (std::size_t o = 0; o < count; ++o) {
@@ -164,14 +172,14 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
     auto run_item = [&](Index item, Index p0, Index kcp, Scalar* b_block) {
       std::size_t o = 0;
       while (item >= first_item[o + 1]) ++o;
-      const Output<Scalar, PackB>& out = outputs[o];
+      const Output<Scalar>& out = outputs[o];
       const Split& split = splits[o];
       const Index local_item = item - first_item[o];
       const Index i0 = local_item / split.n_items * split.m_step;
       const Index j0 = local_item % split.n_items * split.n_step;
       const Index item_rows = std::min(split.m_step, rows - i0);
       const Index cols = std::min(split.n_step, out.n - j0);
-      out.pack_b(j0, cols, p0, kcp, b_block);
+      out.template pack_b<K>(j0, cols, p0, kcp, b_block);
       const Epilogue<Scalar> ep{alpha, beta, out.bias != nullptr ? out.bias + j0 : nullptr, p0 == 0};
       K::block_rows(kcp, item_rows, cols, a + (ic + i0) * lda + p0, lda, b_block, out.c + (ic + i0) * out.ldc + j0,
                     out.ldc, ep);
@@ -211,17 +219,16 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
   }
 }
 
-// C[m, n] = alpha * A[m, k] B + beta * C (+ bias[n]): one output.
-template <typename Scalar, typename PackB>
-void gemm_loops(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
-                const PackB& pack_b, Scalar beta, const Scalar* bias, Scalar* c, Eigen::Index ldc,
-                const Eigen::ThreadPoolDevice* device, Workspace<Scalar>* workspace) {
-  if (n <= 0) return;
-  const Output<Scalar, PackB> out{n, pack_b, bias, c, ldc};
-  gemm_loops<Scalar, PackB>(m, k, alpha, a, lda, &out, 1, beta, device, workspace);
+// The outputs on the kernel of `isa`.
+template <typename Scalar>
+void gemm_loops(Isa isa, Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
+                const Output<Scalar>* outputs, std::size_t count, Scalar beta, const Eigen::ThreadPoolDevice* device,
+                Workspace<Scalar>* workspace) {
+  simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) {
+    gemm_loops<decltype(kernel), Scalar>(m, k, alpha, a, lda, outputs, count, beta, device, workspace);
+  });
 }
 
 }  // namespace detail
-}  // namespace SDPA_GEMM_ABI_NAMESPACE
 }  // namespace gemm
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -23,9 +23,13 @@
 //       (online softmax of s into p)
 //       multiply(bq, p, bk, vb, 1, 1, o_i, ldo)                             // O_i += P_i V_j
 // Both operands hold the whole depth k in blocks of kc (blocking.hpp), so a product of packed operands
-// sums in the same order as gemm_nt/gemm_nn and gives the same bits. The objects are not thread-safe to
-// pack concurrently; multiplying from several threads with the same packed operands is safe.
+// sums in the same order as gemm_nt/gemm_nn and gives the same bits. An operand is packed for one path's
+// kernel (the ISA given to pack, by default the one chosen now: sdpa/cpu.hpp) and remembers it; multiply
+// runs on that path, and both operands must have been packed for the same one. The objects are not
+// thread-safe to pack concurrently; multiplying from several threads with the same packed operands is safe.
 #pragma once
+
+#include "sdpa/config.hpp"
 
 #include "sdpa/detail/eigen.hpp"
 
@@ -33,16 +37,15 @@
 #include <cstddef>
 
 #include "sdpa/detail/buffer.hpp"
+#include "sdpa/cpu.hpp"
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
-#include "sdpa/gemm/isa.hpp"
 #include "sdpa/gemm/kernel.hpp"
 #include "sdpa/gemm/loops.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace gemm {
-inline namespace SDPA_GEMM_ABI_NAMESPACE {
 
 namespace detail {
 
@@ -56,23 +59,26 @@ class PackedStorage {
     const std::size_t needed = static_cast<std::size_t>(round_up(lines, width) * depth);
     if (needed > storage_.size()) storage_.reset(needed);
   }
-  // Packs block by block with pack(block_depth, p0, dst).
-  template <typename PackBlock>
-  void pack(Eigen::Index lines, Eigen::Index depth, Eigen::Index width, const PackBlock& pack_block) {
+  // Packs block by block with pack(block_depth, p0, dst), in kernel K's k blocks.
+  template <typename K, typename PackBlock>
+  void pack(Isa isa, Eigen::Index lines, Eigen::Index depth, Eigen::Index width, const PackBlock& pack_block) {
     reserve(lines, depth, width);
+    isa_ = isa;
     lines_ = lines;
     depth_ = depth;
-    const Eigen::Index kc = blocking<Scalar>().kc;
+    const Eigen::Index kc = blocking_of<K, Scalar>().kc;
     const Eigen::Index padded = round_up(lines, width);
     for (Eigen::Index p0 = 0; p0 < depth; p0 += kc)
       pack_block(std::min(kc, depth - p0), p0, storage_.data() + p0 * padded);
   }
+  Isa isa() const noexcept { return isa_; }
   Eigen::Index lines() const noexcept { return lines_; }
   Eigen::Index depth() const noexcept { return depth_; }
   const Scalar* data() const noexcept { return storage_.data(); }
 
  private:
   sdpa::detail::Buffer<Scalar> storage_;
+  Isa isa_ = Isa::kPortable;
   Eigen::Index lines_ = 0;
   Eigen::Index depth_ = 0;
 };
@@ -85,23 +91,29 @@ class PackedA {
   using Index = Eigen::Index;
 
   PackedA() = default;
-  PackedA(Index m, Index k) { reserve(m, k); }
+  PackedA(Index m, Index k, Isa isa = active_isa()) { reserve(m, k, isa); }
 
-  // Storage for any m x k operand up to these sizes, so that pack() will not allocate.
-  void reserve(Index m, Index k) { storage_.reserve(m, k, K::mr); }
-
-  // A = a[m, k] (row-major, leading dimension lda >= k).
-  void pack(Index m, Index k, const Scalar* a, Index lda) {
-    eigen_assert((m == 0 || k == 0 || lda >= k) && "sdpa::gemm::PackedA: lda is smaller than k");
-    storage_.pack(m, k, K::mr, [&](Index kcp, Index p0, Scalar* dst) { K::pack_a(m, kcp, a + p0, lda, dst); });
+  // Storage for any m x k operand up to these sizes packed for `isa`, so that pack() will not allocate.
+  void reserve(Index m, Index k, Isa isa = active_isa()) {
+    simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) { storage_.reserve(m, k, decltype(kernel)::mr); });
   }
 
+  // A = a[m, k] (row-major, leading dimension lda >= k), for the kernels of `isa`.
+  void pack(Index m, Index k, const Scalar* a, Index lda, Isa isa = active_isa()) {
+    eigen_assert((m == 0 || k == 0 || lda >= k) && "sdpa::gemm::PackedA: lda is smaller than k");
+    simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) {
+      using K = decltype(kernel);
+      storage_.template pack<K>(isa, m, k, K::mr,
+                                [&](Index kcp, Index p0, Scalar* dst) { K::pack_a(m, kcp, a + p0, lda, dst); });
+    });
+  }
+
+  Isa isa() const noexcept { return storage_.isa(); }
   Index rows() const noexcept { return storage_.lines(); }
   Index depth() const noexcept { return storage_.depth(); }
   const Scalar* data() const noexcept { return storage_.data(); }
 
  private:
-  using K = detail::Kernel<Scalar>;
   detail::PackedStorage<Scalar> storage_;
 };
 
@@ -111,53 +123,56 @@ class PackedB {
   using Index = Eigen::Index;
 
   PackedB() = default;
-  PackedB(Index k, Index n) { reserve(k, n); }
+  PackedB(Index k, Index n, Isa isa = active_isa()) { reserve(k, n, isa); }
 
-  // Storage for any k x n operand up to these sizes, so that pack_nt()/pack_nn() will not allocate.
-  void reserve(Index k, Index n) { storage_.reserve(n, k, K::nr); }
+  // Storage for any k x n operand up to these sizes packed for `isa`, so that pack_nt()/pack_nn() will not
+  // allocate.
+  void reserve(Index k, Index n, Isa isa = active_isa()) {
+    simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) { storage_.reserve(n, k, decltype(kernel)::nr); });
+  }
 
   // B = b^T for b[n, k] (row-major, ldb >= k): keys for q k^T, PyTorch's (out, in) weights for x W^T.
-  void pack_nt(Index n, Index k, const Scalar* b, Index ldb) {
+  void pack_nt(Index n, Index k, const Scalar* b, Index ldb, Isa isa = active_isa()) {
     eigen_assert((n == 0 || k == 0 || ldb >= k) && "sdpa::gemm::PackedB::pack_nt: ldb is smaller than k");
-    storage_.pack(n, k, K::nr, [&](Index kcp, Index p0, Scalar* dst) { K::pack_b_rows(n, kcp, b + p0, ldb, dst); });
+    simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) {
+      using K = decltype(kernel);
+      storage_.template pack<K>(isa, n, k, K::nr,
+                                [&](Index kcp, Index p0, Scalar* dst) { K::pack_b_rows(n, kcp, b + p0, ldb, dst); });
+    });
   }
 
   // B = b[k, n] (row-major, ldb >= n): values for p v.
-  void pack_nn(Index k, Index n, const Scalar* b, Index ldb) {
+  void pack_nn(Index k, Index n, const Scalar* b, Index ldb, Isa isa = active_isa()) {
     eigen_assert((n == 0 || k == 0 || ldb >= n) && "sdpa::gemm::PackedB::pack_nn: ldb is smaller than n");
-    storage_.pack(n, k, K::nr,
-                  [&](Index kcp, Index p0, Scalar* dst) { K::pack_b_cols(n, kcp, b + p0 * ldb, ldb, dst); });
+    simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) {
+      using K = decltype(kernel);
+      storage_.template pack<K>(isa, n, k, K::nr, [&](Index kcp, Index p0, Scalar* dst) {
+        K::pack_b_cols(n, kcp, b + p0 * ldb, ldb, dst);
+      });
+    });
   }
 
+  Isa isa() const noexcept { return storage_.isa(); }
   Index depth() const noexcept { return storage_.depth(); }
   Index cols() const noexcept { return storage_.lines(); }
   const Scalar* data() const noexcept { return storage_.data(); }
 
  private:
-  using K = detail::Kernel<Scalar>;
   detail::PackedStorage<Scalar> storage_;
 };
 
-// C[m, n] (ldc) = alpha * A B + beta * C, plus bias[j] on every row's column j when bias is given, for
-// m = a.rows(), n = b.cols() and a.depth() == b.depth().
-template <typename Scalar>
-void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDeduceT<Scalar> alpha,
-              detail::NoDeduceT<Scalar> beta, Scalar* c, Eigen::Index ldc,
-              detail::NoDeduceT<const Scalar*> bias = nullptr, const Eigen::ThreadPoolDevice* device = nullptr) {
+namespace detail {
+
+// multiply's loops on kernel K: every item runs its k blocks in order, so it needs no other item's result
+// and no buffer of its own. A is packed (a_packed) or read in place (a, lda).
+template <typename K, typename Scalar>
+void multiply_blocks(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a_packed, const Scalar* a,
+                     Eigen::Index lda, const Scalar* b_packed, Scalar alpha, Scalar beta, Scalar* c, Eigen::Index ldc,
+                     const Scalar* bias, const Eigen::ThreadPoolDevice* device) {
   using Index = Eigen::Index;
-  using K = detail::Kernel<Scalar>;
-  eigen_assert(a.depth() == b.depth() && "sdpa::gemm::multiply: the packed operands' depths differ");
-  const Index m = a.rows(), n = b.cols(), k = a.depth();
-  eigen_assert((m == 0 || ldc >= n) && "sdpa::gemm::multiply: ldc is smaller than n");
-  if (m == 0 || n == 0) return;
-  if (k == 0 || alpha == Scalar(0)) {
-    detail::scale_only(m, n, beta, bias, c, ldc);
-    return;
-  }
-  const Blocking& bl = blocking<Scalar>();
-  const detail::Split split(m, n, bl, detail::min_items<Scalar>(worker_count(device)));
-  const Index m_padded = detail::round_up(m, K::mr), n_padded = detail::round_up(n, K::nr);
-  // Every item runs its k blocks in order, so it needs no other item's result and no buffer of its own.
+  const Blocking& bl = blocking_of<K, Scalar>();
+  const Split split(m, n, bl, min_items<K>(worker_count(device)));
+  const Index m_padded = round_up(m, K::mr), n_padded = round_up(n, K::nr);
   parallel_for(device, split.count(), 1, [&](Index t0, Index t1) {
     for (Index item = t0; item < t1; ++item) {
       const Index i0 = item / split.n_items * split.m_step;
@@ -166,22 +181,48 @@ void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDedu
       const Index cols = std::min(split.n_step, n - j0);
       for (Index p0 = 0; p0 < k; p0 += bl.kc) {
         const Index kcp = std::min(bl.kc, k - p0);
-        const detail::Epilogue<Scalar> ep{alpha, beta, bias != nullptr ? bias + j0 : nullptr, p0 == 0};
-        K::block(kcp, rows, cols, a.data() + p0 * m_padded + i0 * kcp, b.data() + p0 * n_padded + j0 * kcp,
-                 c + i0 * ldc + j0, ldc, ep);
+        const Epilogue<Scalar> ep{alpha, beta, bias != nullptr ? bias + j0 : nullptr, p0 == 0};
+        const Scalar* pb = b_packed + p0 * n_padded + j0 * kcp;
+        if (a_packed != nullptr)
+          K::block(kcp, rows, cols, a_packed + p0 * m_padded + i0 * kcp, pb, c + i0 * ldc + j0, ldc, ep);
+        else
+          K::block_in_place(kcp, rows, cols, a + i0 * lda + p0, lda, pb, c + i0 * ldc + j0, ldc, ep);
       }
     }
   });
 }
 
+}  // namespace detail
+
+// C[m, n] (ldc) = alpha * A B + beta * C, plus bias[j] on every row's column j when bias is given, for
+// m = a.rows(), n = b.cols() and a.depth() == b.depth(), on the path both were packed for.
+template <typename Scalar>
+void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDeduceT<Scalar> alpha,
+              detail::NoDeduceT<Scalar> beta, Scalar* c, Eigen::Index ldc,
+              detail::NoDeduceT<const Scalar*> bias = nullptr, const Eigen::ThreadPoolDevice* device = nullptr) {
+  using Index = Eigen::Index;
+  eigen_assert(a.depth() == b.depth() && "sdpa::gemm::multiply: the packed operands' depths differ");
+  eigen_assert(a.isa() == b.isa() && "sdpa::gemm::multiply: the operands were packed for different paths");
+  const Index m = a.rows(), n = b.cols(), k = a.depth();
+  eigen_assert((m == 0 || ldc >= n) && "sdpa::gemm::multiply: ldc is smaller than n");
+  if (m == 0 || n == 0) return;
+  if (k == 0 || alpha == Scalar(0)) {
+    detail::scale_only(m, n, beta, bias, c, ldc);
+    return;
+  }
+  simd::with_gemm_kernel<Scalar>(a.isa(), [&](auto kernel) {
+    detail::multiply_blocks<decltype(kernel), Scalar>(m, n, k, a.data(), nullptr, 0, b.data(), alpha, beta, c, ldc,
+                                                      bias, device);
+  });
+}
+
 // C[m, n] (ldc) = alpha * A B + beta * C (+ bias[n]) with A = a[m, b.depth()] (row-major, leading
-// dimension lda) read where it lies.
+// dimension lda) read where it lies, on the path b was packed for.
 template <typename Scalar>
 void multiply(Eigen::Index m, const Scalar* a, Eigen::Index lda, const PackedB<Scalar>& b,
               detail::NoDeduceT<Scalar> alpha, detail::NoDeduceT<Scalar> beta, Scalar* c, Eigen::Index ldc,
               detail::NoDeduceT<const Scalar*> bias = nullptr, const Eigen::ThreadPoolDevice* device = nullptr) {
   using Index = Eigen::Index;
-  using K = detail::Kernel<Scalar>;
   const Index n = b.cols(), k = b.depth();
   eigen_assert(m >= 0 && "sdpa::gemm::multiply: negative m");
   eigen_assert((m == 0 || k == 0 || lda >= k) && "sdpa::gemm::multiply: lda is smaller than k");
@@ -191,25 +232,11 @@ void multiply(Eigen::Index m, const Scalar* a, Eigen::Index lda, const PackedB<S
     detail::scale_only(m, n, beta, bias, c, ldc);
     return;
   }
-  const Blocking& bl = blocking<Scalar>();
-  const detail::Split split(m, n, bl, detail::min_items<Scalar>(worker_count(device)));
-  const Index n_padded = detail::round_up(n, K::nr);
-  parallel_for(device, split.count(), 1, [&](Index t0, Index t1) {
-    for (Index item = t0; item < t1; ++item) {
-      const Index i0 = item / split.n_items * split.m_step;
-      const Index j0 = item % split.n_items * split.n_step;
-      const Index rows = std::min(split.m_step, m - i0);
-      const Index cols = std::min(split.n_step, n - j0);
-      for (Index p0 = 0; p0 < k; p0 += bl.kc) {
-        const Index kcp = std::min(bl.kc, k - p0);
-        const detail::Epilogue<Scalar> ep{alpha, beta, bias != nullptr ? bias + j0 : nullptr, p0 == 0};
-        K::block_in_place(kcp, rows, cols, a + i0 * lda + p0, lda, b.data() + p0 * n_padded + j0 * kcp,
-                          c + i0 * ldc + j0, ldc, ep);
-      }
-    }
+  simd::with_gemm_kernel<Scalar>(b.isa(), [&](auto kernel) {
+    detail::multiply_blocks<decltype(kernel), Scalar>(m, n, k, nullptr, a, lda, b.data(), alpha, beta, c, ldc, bias,
+                                                      device);
   });
 }
 
-}  // namespace SDPA_GEMM_ABI_NAMESPACE
 }  // namespace gemm
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -5,14 +5,14 @@
 // Workspace per thread that calls; it grows to the largest call and never shrinks.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include <cstddef>
 
 #include "sdpa/detail/buffer.hpp"
-#include "sdpa/gemm/isa.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace gemm {
-inline namespace SDPA_GEMM_ABI_NAMESPACE {
 
 template <typename Scalar>
 class Workspace {
@@ -34,6 +34,5 @@ class Workspace {
   sdpa::detail::Buffer<Scalar> storage_;
 };
 
-}  // namespace SDPA_GEMM_ABI_NAMESPACE
 }  // namespace gemm
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -9,6 +9,8 @@
 // Needs nlohmann_json (CMake target sdpa::io).
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 #include <nlohmann/json.hpp>
 
@@ -34,7 +36,7 @@
 #include "sdpa/kv_cache.hpp"
 #include "sdpa/parameter.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 
 // Every refusal of a file, malformed or not matching the module: "sdpa: safetensors file '<path>': ...".
 class SafetensorsError : public std::runtime_error {
@@ -891,4 +893,4 @@ void load_kv_cache_from_memory(KVCache<Scalar>& cache, const std::uint8_t* bytes
   load_kv_cache(cache, parse_safetensors(bytes, size, name_for_errors));
 }
 
-}  // namespace sdpa
+SDPA_NAMESPACE_END

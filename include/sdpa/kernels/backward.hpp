@@ -10,6 +10,8 @@
 // zeroes the hidden scores' gradient, so dq and dk get nothing through hidden keys.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include "sdpa/detail/buffer.hpp"
@@ -31,7 +33,7 @@
 #include "sdpa/kernels/visibility.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 template <typename Scalar>
@@ -159,7 +161,7 @@ class TiledBackward {
       : bp_(bp),
         p_(*bp.forward),
         vis_(pipeline.visibility()),
-        scorer_(pipeline, c.block_q, c.block_k, c.group),
+        scorer_(pipeline, c),
         span_(c.group * c.block_q),
         ldd_((c.block_k + kLine - 1) / kLine * kLine),
         dw_(detail::dense_gradient(bp.d_weights, p_.weights, bp.weights_dims)),
@@ -220,8 +222,8 @@ class TiledBackward {
     Scalar* u = dw_ ? aligned(u_buf_) : nullptr;
 
     // dP = dO v^T, then dS in place; u = scale * q k^T, the score before the weights, for their gradient.
-    gemm_nt(ni, nj, p.d_v, Scalar(1), dout, bp_.d_out.row_stride, p.v.row(b, h, first_key), p.v.row_stride, ds, ldd_);
-    if (u != nullptr) gemm_nt(ni, nj, p.d_k, p.scale, q, p.q.row_stride, k, p.k.row_stride, u, ldd_);
+    gemm_nt(p.isa, ni, nj, p.d_v, Scalar(1), dout, bp_.d_out.row_stride, p.v.row(b, h, first_key), p.v.row_stride, ds, ldd_);
+    if (u != nullptr) gemm_nt(p.isa, ni, nj, p.d_k, p.scale, q, p.q.row_stride, k, p.k.row_stride, u, ldd_);
     for (Index i = t.i0; i < t.i1; ++i) {
       const Index r = t.r0 + i, query = t.q0 + r;
       Scalar* pr = t.row(i);
@@ -238,7 +240,7 @@ class TiledBackward {
       seen_[static_cast<std::size_t>(r)] = 1;
       const Scalar lse = lse_[static_cast<std::size_t>(r)];
       if (std::isfinite(lse)) {
-        detail::ShiftedExp<Scalar>::run(pr, nj, lse);  // hidden keys' -inf give exactly 0
+        simd::exp_shifted_sum(p.isa, pr, nj, lse);  // hidden keys' -inf give exactly 0
       } else {
         // The forward's softmax of this row was NaN (a NaN or infinite score, or every visible score -inf):
         // so are its probabilities, and PyTorch's dv gets NaN from every key of the (batch, head).
@@ -251,7 +253,7 @@ class TiledBackward {
         // dP = (dO v^T) o Z and dv's operand P o Z, Z = 0 (dropped) or keep_scale, from the forward's draw.
         const DropoutSampler& sampler = p.sampler;
         const Index k4_begin = first_key >> 2, blocks = ((first_key + nj + 3) >> 2) - k4_begin;
-        sampler.fill_bits(bh, query, k4_begin, blocks, bits_.data());
+        sampler.fill_bits(p.isa, bh, query, k4_begin, blocks, bits_.data());
         const std::uint32_t* bits = bits_.data() + (first_key - 4 * k4_begin);
         for (Index j = 0; j < nj; ++j) {
           const Scalar z = sampler.dropped_bits(bits[j]) ? Scalar(0) : p.keep_scale;
@@ -284,7 +286,7 @@ class TiledBackward {
           for (Index d = 0; d < p.d_k; ++d) dq[(i - t.i0) * p.d_k + d] += g * kj[d];
         }
     } else {
-      gemm_nn_add(ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
+      gemm_nn_add(p.isa, ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
     }
     detail::gemm_tn_add(nj, p.d_k, ni, ds, ldd_, q, p.q.row_stride, bp_.d_k.row(b, h, first_key), bp_.d_k.row_stride);
   }
@@ -476,4 +478,4 @@ void reference_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPo
 }
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -9,6 +9,8 @@
 // a step allocates nothing once the workspace has grown to the cache's capacity.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
@@ -17,13 +19,14 @@
 #include <vector>
 
 #include "sdpa/detail/buffer.hpp"
+#include "sdpa/simd/dispatch.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/scores.hpp"
 #include "sdpa/kernels/softmax.hpp"
 #include "sdpa/kernels/visibility.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 // Keys per work item: long enough that an item's per-row overhead is small against streaming its keys,
@@ -58,52 +61,9 @@ struct DecodeWorkspace {
   }
 };
 
-// The decoding kernel's two inner products, for one (head, query) and a block of at most 16 key rows: short
-// enough that Eigen's GEMV spent more time in its call than in the arithmetic, so they are written out
-// here, in chunks of four vectors that stay in registers over the block.
+// The decoding kernel's inner products are the per-ISA row kernels of simd/dispatch.hpp (chunk_scores,
+// add_weighted_rows): short enough that Eigen's GEMV spent more time in its call than in the arithmetic.
 namespace decode_detail {
-
-template <typename Scalar>
-constexpr Eigen::Index kChunk = 256 / static_cast<Eigen::Index>(sizeof(Scalar));  // four 64-byte vectors
-
-// The dot product of a and b over n elements.
-template <typename Scalar>
-Scalar dot(const Scalar* a, const Scalar* b, Eigen::Index n) noexcept {
-  using Index = Eigen::Index;
-  constexpr Index C = kChunk<Scalar>;
-  using A = Eigen::Array<Scalar, C, 1>;
-  Index d = 0;
-  Scalar s(0);
-  if (n >= C) {
-    A acc = Eigen::Map<const A>(a) * Eigen::Map<const A>(b);
-    for (d = C; d + C <= n; d += C) acc += Eigen::Map<const A>(a + d) * Eigen::Map<const A>(b + d);
-    s = acc.sum();
-  }
-  if (d < n) {
-    using V = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
-    s += (V(a + d, n - d) * V(b + d, n - d)).sum();
-  }
-  return s;
-}
-
-// acc[0, n) += sum over j in [0, m) of w[j] * rows[j * stride + (0, n)].
-template <typename Scalar>
-void add_weighted_rows(Scalar* acc, Eigen::Index n, const Scalar* w, const Scalar* rows, Eigen::Index stride,
-                       Eigen::Index m) noexcept {
-  using Index = Eigen::Index;
-  constexpr Index C = kChunk<Scalar>;
-  using A = Eigen::Array<Scalar, C, 1>;
-  Index d = 0;
-  for (; d + C <= n; d += C) {
-    A a = Eigen::Map<const A>(acc + d);
-    for (Index j = 0; j < m; ++j) a += w[j] * Eigen::Map<const A>(rows + j * stride + d);
-    Eigen::Map<A>(acc + d) = a;
-  }
-  if (d < n) {
-    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(acc + d, n - d);
-    for (Index j = 0; j < m; ++j) a += w[j] * Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(rows + j * stride + d, n - d);
-  }
-}
 
 // Asks for the cache lines of m rows of n elements, `stride` apart (a hint: nothing on compilers without it).
 template <typename Scalar>
@@ -175,12 +135,8 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
       if (!any) continue;
       // Pass 1: every (head, query)'s scores over the chunk, key row by key row: a row holds every head's key,
       // so the chunk's keys are streamed from memory once and in order.
-      for (Index j = 0; j < n; ++j)
-        for (Index h = 0; h < p.heads; ++h) {
-          const Scalar* kr = p.k.row(b, h, k0 + j);
-          for (Index q = 0; q < p.nq; ++q)
-            scores[(h * p.nq + q) * kDecodeChunk + j] = p.scale * decode_detail::dot(kr, p.q.row(b, h, q), p.d_k);
-        }
+      simd::chunk_scores(p.isa, p.k.row(b, 0, k0), p.k.row_stride, p.k.head_stride, n, p.q.row(b, 0, 0), p.q.head_stride,
+                         p.q.row_stride, p.heads, Index{1}, p.nq, p.d_k, p.scale, scores, kDecodeChunk);
       // Pass 2: per row, the score pipeline, the softmax fold and dropout.
       for (Index h = 0; h < p.heads; ++h)
         for (Index q = 0; q < p.nq; ++q) {
@@ -190,10 +146,10 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
           SoftmaxRow<Scalar>& st = ws.states[static_cast<std::size_t>((item * p.heads + h) * p.nq + q)];
           pipeline.apply_segment(s, n, b, h, q, k0, segs[r]);
           st.seen = true;
-          st.fold(s, n);  // a fresh state: the factor is 1
+          st.fold(p.isa, s, n);  // a fresh state: the factor is 1
           if (p.dropout) {
             const Index k4 = k0 >> 2, blocks = ((k0 + n + 3) >> 2) - k4;
-            p.sampler.fill_bits(b * p.heads + h, q, k4, blocks, bits);
+            p.sampler.fill_bits(p.isa, b * p.heads + h, q, k4, blocks, bits);
             const std::uint32_t* w = bits + (k0 - 4 * k4);
             for (Index j = 0; j < n; ++j) s[j] = p.sampler.dropped_bits(w[j]) ? Scalar(0) : s[j] * p.keep_scale;
           }
@@ -217,7 +173,7 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
             Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> av(ws.acc.data() + ((item * p.heads + h) * p.nq + q) * p.d_v, p.d_v);
             const Scalar* pr = scores + r * kDecodeChunk;
             if (seg.solid) {
-              decode_detail::add_weighted_rows(av.data(), p.d_v, pr + lo, vb + (lo - j0) * p.v.row_stride,
+              simd::add_weighted_rows(p.isa, av.data(), p.d_v, pr + lo, vb + (lo - j0) * p.v.row_stride,
                                                p.v.row_stride, hi - lo);
             } else {
               for (Index j = lo; j < hi; ++j)
@@ -262,7 +218,7 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
           xv.noalias() = kmat * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(p.q.row(b, h, q), p.d_k);
           xv *= p.scale;
           pipeline.apply(x, n, b, h, q, k0, range);
-          detail::ShiftedExp<Scalar>::run(x, n, lse);
+          simd::exp_shifted_sum(p.isa, x, n, lse);
         }
       }
     }
@@ -270,4 +226,4 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
 }
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -6,26 +6,30 @@
 // log-sum-exp). The module fills it after validating the arguments; kernels trust it.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
+#include "sdpa/cpu.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/options.hpp"
 #include "sdpa/random.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 // Rows of one projected tensor: head h of row i of batch b starts at
-// data + b * batch_stride + i * row_stride + h * head_dim.
+// data + b * batch_stride + i * row_stride + h * head_stride (the module's (batch, seq, heads * d) buffers:
+// head_stride = d; PyTorch's (batch, heads, seq, d) tensors: head_stride = seq * d, row_stride = d).
 template <typename T>
 struct Heads {
   T* data = nullptr;
   Eigen::Index batch_stride = 0;
   Eigen::Index row_stride = 0;
-  Eigen::Index head_dim = 0;
+  Eigen::Index head_stride = 0;
 
   T* row(Eigen::Index b, Eigen::Index h, Eigen::Index i) const noexcept {
-    return data + b * batch_stride + i * row_stride + h * head_dim;
+    return data + b * batch_stride + i * row_stride + h * head_stride;
   }
 };
 
@@ -34,6 +38,7 @@ struct AttentionProblem {
   using Index = Eigen::Index;
 
   Index batch = 0, heads = 0, nq = 0, nk = 0, d_k = 0, d_v = 0;
+  Isa isa = active_isa();  // the kernels' path for this call (sdpa/cpu.hpp), read once
   Heads<const Scalar> q, k, v;
   Heads<Scalar> out;  // (batch, nq, heads * d_v)
   Scalar scale = Scalar(1);  // 1 / sqrt(d_k)
@@ -67,4 +72,4 @@ struct AttentionProblem {
 };
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

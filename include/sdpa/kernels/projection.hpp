@@ -6,13 +6,20 @@
 // Also the tile-sized products the attention kernels share, and the few-row projections of a decoding step.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "sdpa/cpu.hpp"
 #include "sdpa/gemm/gemm.hpp"
+#include "sdpa/simd/dispatch.hpp"
 #include "sdpa/parallel.hpp"
 
 #ifdef SDPA_USE_ONEDNN
@@ -23,7 +30,7 @@ extern "C" int omp_get_max_threads(void);
 extern "C" void omp_set_num_threads(int);
 #endif
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 // The calling thread's packing scratch for the products below: kept from one call to the next, so that the
@@ -38,30 +45,48 @@ gemm::Workspace<Scalar>& thread_workspace() {
 //   gemm_nt: c[m, n] (ldc) = alpha * a[m, k] (lda) * b[n, k]^T (ldb)
 //   gemm_nn_add: c[m, n] (ldc) += a[m, k] (lda) * b[k, n] (ldb)
 template <typename Scalar>
-void gemm_nt(Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
+void gemm_nt(Isa isa, Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
              const Scalar* b, Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
-  gemm::gemm_nt<Scalar>(m, n, k, alpha, a, lda, b, ldb, Scalar(0), c, ldc, nullptr, &thread_workspace<Scalar>());
+  gemm::gemm_nt<Scalar>(m, n, k, alpha, a, lda, b, ldb, Scalar(0), c, ldc, nullptr, &thread_workspace<Scalar>(), isa);
 }
 
 template <typename Scalar>
-void gemm_nn_add(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* b,
-                 Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
-  gemm::gemm_nn<Scalar>(m, n, k, Scalar(1), a, lda, b, ldb, Scalar(1), c, ldc, nullptr, &thread_workspace<Scalar>());
+void gemm_nn_add(Isa isa, Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda,
+                 const Scalar* b, Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
+  gemm::gemm_nn<Scalar>(m, n, k, Scalar(1), a, lda, b, ldb, Scalar(1), c, ldc, nullptr, &thread_workspace<Scalar>(),
+                        isa);
 }
 
 // y[rows, out] (leading dimension ldy) = x[rows, in] (ldx) * w[out, in]^T + b[out]: sdpa::gemm's
-// register-blocked kernels (Eigen's products where the target ISA has none), split over the device's
-// threads by blocks of y, never of the sum, so any number of threads gives the same bits. The packed
-// blocks live in the calling thread's workspace (5 MB for the demo's shapes, kept between calls: fresh
-// ones cost their page faults on every call).
+// register-blocked kernels of the path `isa` (Eigen's products on the portable path), split over the
+// device's threads by blocks of y, never of the sum, so any number of threads gives the same bits. The
+// packed blocks live in the calling thread's workspace (5 MB for the demo's shapes, kept between calls:
+// fresh ones cost their page faults on every call).
 template <typename Scalar>
 void gemm_bias_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const Scalar* w,
                     Eigen::Index out, const Scalar* b, Scalar* y, Eigen::Index ldy,
-                    const Eigen::ThreadPoolDevice* device = nullptr) {
-  gemm::gemm_nt_bias<Scalar>(rows, out, in, x, ldx, w, in, b, y, ldy, device, &thread_workspace<Scalar>());
+                    const Eigen::ThreadPoolDevice* device = nullptr, Isa isa = active_isa()) {
+  gemm::gemm_nt_bias<Scalar>(rows, out, in, x, ldx, w, in, b, y, ldy, device, &thread_workspace<Scalar>(), isa);
 }
 
 #ifdef SDPA_USE_ONEDNN
+}  // namespace kernels
+
+// Whether float projections go to oneDNN's sgemm (a program built with sdpa::onednn): yes unless the
+// environment variable SDPA_ONEDNN is 0 or set_onednn_projections(false) said otherwise; the process-wide
+// choice is read once per product. (One test binary checks both backends this way.)
+inline std::atomic<bool>& onednn_projections_flag() noexcept {
+  static std::atomic<bool> flag{[] {
+    const char* env = std::getenv("SDPA_ONEDNN");
+    return !(env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0));
+  }()};
+  return flag;
+}
+inline bool onednn_projections() noexcept { return onednn_projections_flag().load(std::memory_order_relaxed); }
+inline void set_onednn_projections(bool on) noexcept { onednn_projections_flag().store(on, std::memory_order_relaxed); }
+
+namespace kernels {
+
 // oneDNN's sgemm on row blocks of at least 64 rows, one block per worker (the opt-in sdpa::onednn backend).
 inline void dnnl_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const float* w,
                            Eigen::Index out, const float* b, float* y, Eigen::Index ldy) {
@@ -76,7 +101,11 @@ inline void dnnl_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, E
 
 inline void gemm_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const float* w,
                            Eigen::Index out, const float* b, float* y, Eigen::Index ldy,
-                           const Eigen::ThreadPoolDevice* device = nullptr) {
+                           const Eigen::ThreadPoolDevice* device = nullptr, Isa isa = active_isa()) {
+  if (!onednn_projections()) {
+    gemm::gemm_nt_bias<float>(rows, out, in, x, ldx, w, in, b, y, ldy, device, &thread_workspace<float>(), isa);
+    return;
+  }
   const Eigen::Index grain = std::max<Eigen::Index>(64, balanced_grain(device, rows, 1));
   parallel_for(device, rows, grain, [&](Eigen::Index r0, Eigen::Index r1) {
     dnnl_bias_rows(x + r0 * ldx, r1 - r0, in, ldx, w, out, b, y + r0 * ldy, ldy);
@@ -106,18 +135,20 @@ struct ProjectionTarget {
 // targets, split over the device's threads (oneDNN: one call per target).
 template <typename Scalar>
 void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std::vector<ProjectionTarget<Scalar>>& targets,
-                  const Eigen::ThreadPoolDevice* device) {
+                  const Eigen::ThreadPoolDevice* device, Isa isa = active_isa()) {
 #ifdef SDPA_USE_ONEDNN
   if constexpr (std::is_same<Scalar, float>::value) {
-    for (const auto& t : targets) gemm_bias_rows(x, rows, in, in, t.weight, t.out, t.bias, t.y, t.ldy, device);
-    return;
+    if (onednn_projections()) {
+      for (const auto& t : targets) gemm_bias_rows(x, rows, in, in, t.weight, t.out, t.bias, t.y, t.ldy, device, isa);
+      return;
+    }
   }
 #endif
   std::vector<gemm::BiasedProduct<Scalar>> products;
   products.reserve(targets.size());
   for (const ProjectionTarget<Scalar>& t : targets) products.push_back({t.weight, in, t.out, t.bias, t.y, t.ldy});
   gemm::gemm_nt_bias_shared<Scalar>(rows, in, x, in, products.data(), products.size(), device,
-                                    &thread_workspace<Scalar>());
+                                    &thread_workspace<Scalar>(), isa);
 }
 
 // The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
@@ -125,9 +156,9 @@ void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std
 // the output features. Allocates nothing.
 template <typename Scalar>
 void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx,
-                      const ProjectionTarget<Scalar>* targets, std::size_t count, const Eigen::ThreadPoolDevice* device) {
+                      const ProjectionTarget<Scalar>* targets, std::size_t count, const Eigen::ThreadPoolDevice* device,
+                      Isa isa = active_isa()) {
   using Index = Eigen::Index;
-  using Row = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
   Index total = 0;
   for (std::size_t t = 0; t < count; ++t) total += targets[t].out;
   parallel_for(device, total, std::max<Index>(64, balanced_grain(device, total, 2)), [&](Index o0, Index o1) {
@@ -136,8 +167,8 @@ void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen
       const ProjectionTarget<Scalar>& tg = targets[t];
       const Index lo = std::max(o0, base), hi = std::min(o1, base + tg.out);
       for (Index o = lo; o < hi; ++o) {
-        const Row w(tg.weight + (o - base) * in, in);
-        for (Index r = 0; r < rows; ++r) tg.row(r)[o - base] = w.dot(Row(x + r * ldx, in)) + tg.bias[o - base];
+        const Scalar* w = tg.weight + (o - base) * in;
+        for (Index r = 0; r < rows; ++r) tg.row(r)[o - base] = simd::dot(isa, w, x + r * ldx, in) + tg.bias[o - base];
       }
       base += tg.out;
     }
@@ -145,4 +176,4 @@ void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen
 }
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

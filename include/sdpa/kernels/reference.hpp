@@ -4,6 +4,8 @@
 // stays simple rather than fast; it shares only the masked-row finisher with the tiled kernel.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -13,7 +15,7 @@
 #include "sdpa/kernels/softmax.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 // Whether key k is hidden from query q of (b, h): by the mask, causal, a window or the key length.
@@ -99,4 +101,4 @@ void reference_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadP
 }
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

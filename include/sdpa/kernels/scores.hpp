@@ -5,6 +5,8 @@
 // their scores through ScorePipeline::apply, so they agree on every score bit for bit.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
@@ -14,7 +16,7 @@
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/visibility.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 namespace detail {
@@ -105,4 +107,4 @@ class ScorePipeline {
 };
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -1,9 +1,12 @@
 // The online softmax (FlashAttention's running max and sum) as one small state per query row, shared by
 // the tiled forward, the decoding step and the backward pass, and the one finisher that turns a row's state
 // and output accumulator into its attention output under the masked-row policy (the reference kernel ends
-// its rows through it too). NaN propagates: a NaN score makes the row's max, sum and output NaN, as in
+// its rows through it too). The row passes (max, exponent and sum) are the per-ISA kernels of
+// simd/dispatch.hpp. NaN propagates: a NaN score makes the row's max, sum and output NaN, as in
 // PyTorch; only a row that saw no visible key at all gets the masked-row policy.
 #pragma once
+
+#include "sdpa/config.hpp"
 
 #include "sdpa/detail/eigen.hpp"
 
@@ -12,46 +15,12 @@
 #include <limits>
 #include <type_traits>
 
-#include "sdpa/kernels/exp_avx512.hpp"
+#include "sdpa/cpu.hpp"
 #include "sdpa/options.hpp"
+#include "sdpa/simd/dispatch.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
-namespace detail {
-
-// x[j] = exp(x[j] - shift) for j < n, returning the sum of the results: the softmax's one pass over a
-// row of scores. Hidden keys (-inf) give exactly 0. Eigen's vectorised exp is the portable version (it
-// clamps its argument, so the -inf entries are selected to 0 explicitly).
-template <typename Scalar>
-struct PortableShiftedExp {
-  static constexpr bool kExpZeroesMasked = true;
-  static Scalar run(Scalar* x, Eigen::Index n, Scalar shift) noexcept {
-    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
-    a = (a == -std::numeric_limits<Scalar>::infinity()).select(Scalar(0), (a - shift).exp());
-    return a.sum();
-  }
-};
-
-template <typename Scalar>
-struct ShiftedExp : PortableShiftedExp<Scalar> {};
-
-#if defined(__AVX512F__)
-template <>
-struct ShiftedExp<float> : ShiftedExpAvx512Float {};
-#endif
-
-// The largest of x[0 .. n) (n > 0), NaN or not: a NaN may or may not win, so a caller that must see NaN
-// looks again when the result does not show it (NaN also reaches the sum through exp).
-template <typename Scalar>
-Scalar segment_max(const Scalar* x, Eigen::Index n) noexcept {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same<Scalar, float>::value) return segment_max_avx512(x, n);
-#endif
-  return Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(x, n).maxCoeff();
-}
-
-}  // namespace detail
-
 // One query row's running softmax: the max of the scores folded so far (NaN once any was NaN), the sum of
 // their exponentials relative to it, and whether the row has seen any visible key.
 template <typename Scalar>
@@ -61,11 +30,12 @@ struct SoftmaxRow {
   Scalar sum = Scalar(0);
   bool seen = false;
 
-  // Folds a segment of final scores (hidden keys -inf) into the row: x becomes exp(x - new max), and the
-  // return value is the factor by which the row's output accumulator must be scaled first (1: unchanged).
-  Scalar fold(Scalar* x, Eigen::Index n) noexcept {
+  // Folds a segment of final scores (hidden keys -inf) into the row on the kernels of `isa`: x becomes
+  // exp(x - new max), and the return value is the factor by which the row's output accumulator must be
+  // scaled first (1: unchanged).
+  Scalar fold(Isa isa, Scalar* x, Eigen::Index n) noexcept {
     Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
-    Scalar segment_max = detail::segment_max(x, n);
+    Scalar segment_max = simd::row_max(isa, x, n);
     if (segment_max == -kInf) {
       if (a.isNaN().any()) {
         segment_max = std::numeric_limits<Scalar>::quiet_NaN();  // -inf beside NaN: the NaN wins
@@ -77,7 +47,7 @@ struct SoftmaxRow {
     }
     const Scalar old_max = max;
     max = std::isnan(old_max) || !(segment_max > old_max || std::isnan(segment_max)) ? old_max : segment_max;
-    const Scalar segment_sum = detail::ShiftedExp<Scalar>::run(x, n, max);
+    const Scalar segment_sum = simd::exp_shifted_sum(isa, x, n, max);
     if (old_max == -kInf) {
       sum = segment_sum;  // the accumulator is still zero
       return Scalar(1);
@@ -134,4 +104,4 @@ void finish_row(Scalar* out, const Scalar* acc, Eigen::Index d, const SoftmaxRow
 }
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

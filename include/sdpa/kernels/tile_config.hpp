@@ -3,11 +3,13 @@
 // and the tile counts a kernel reports.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 // Block sizes of the tiled kernel: block_k keys make one tile with block_q queries, and `group` query
@@ -18,6 +20,9 @@ struct TileConfig {
   Eigen::Index block_q = 0;
   Eigen::Index block_k = 0;
   Eigen::Index group = 0;
+  // false: every tile multiplies its operands where they lie (gemm_nt / gemm_nn) instead of packing the
+  // key, value and query blocks once for several tiles; the path the packing is tested against.
+  bool pack_operands = true;
 
   // The rule, for `scalar_bytes`-wide elements and the per-core L2 size in bytes. Everything a group
   // touches should stay in L2: the k and v blocks (block_k x (d_k + d_v)) get an eighth of it, the score
@@ -72,4 +77,4 @@ struct TileStats {
 };
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -4,10 +4,12 @@
 // query block once per group (`slot`), so a tile's products only stream packed operands; p is read where
 // it lies, and so are the query rows of a group that sees a single key block (one use each: a short
 // sequence). A tile trimmed to a sub-rectangle (part of its rows or keys hidden) multiplies the trimmed
-// operands instead. Both go through sdpa::gemm's register-blocked kernels (gemm/packed.hpp, gemm.hpp).
-// With SDPA_TILED_PACKED_PRODUCTS defined to 0, every tile takes the unpacked products (the path the
-// packing is tested against).
+// operands instead. Both go through sdpa::gemm's register-blocked kernels (gemm/packed.hpp, gemm.hpp) of
+// the call's ISA. With `packed` false (TileConfig::pack_operands), every tile takes the unpacked products
+// (the path the packing is tested against).
 #pragma once
+
+#include "sdpa/config.hpp"
 
 #include "sdpa/detail/eigen.hpp"
 
@@ -18,11 +20,7 @@
 #include "sdpa/gemm/gemm.hpp"
 #include "sdpa/kernels/projection.hpp"
 
-#ifndef SDPA_TILED_PACKED_PRODUCTS
-#define SDPA_TILED_PACKED_PRODUCTS 1
-#endif
-
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 template <typename Scalar>
@@ -30,11 +28,12 @@ class TileProducts {
  public:
   using Index = Eigen::Index;
 
-  TileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v)
-      : d_k_(d_k), d_v_(d_v), q_(static_cast<std::size_t>(group)), q_packed_(static_cast<std::size_t>(group)) {
-    for (auto& q : q_) q.reserve(block_q, d_k);
-    k_packed_.reserve(d_k, block_k);
-    v_packed_.reserve(block_k, d_v);
+  TileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v, Isa isa, bool packed = true)
+      : d_k_(d_k), d_v_(d_v), isa_(isa), packed_(packed), q_(static_cast<std::size_t>(group)),
+        q_packed_(static_cast<std::size_t>(group)) {
+    for (auto& q : q_) q.reserve(block_q, d_k, isa);
+    k_packed_.reserve(d_k, block_k, isa);
+    v_packed_.reserve(block_k, d_v, isa);
   }
 
   // A new group of query blocks: every slot must be packed again. With `single_key_block` (the group sees
@@ -59,9 +58,9 @@ class TileProducts {
   // query block `slot`, whose rows (rows of them, stride ldq) start at q. Other entries of s are left alone.
   void scores(Index slot, const Scalar* q, Index ldq, Index rows, Index i0, Index ni, Index j0, Index nj, Scalar alpha,
               Scalar* s, Index lds) {
-    if (SDPA_TILED_PACKED_PRODUCTS && ni == rows && nj == cols_) {
+    if (packed_ && ni == rows && nj == cols_) {
       if (!k_ready_) {
-        k_packed_.pack_nt(cols_, d_k_, k_, ldk_);
+        k_packed_.pack_nt(cols_, d_k_, k_, ldk_, isa_);
         k_ready_ = true;
       }
       if (q_in_place_) {
@@ -70,28 +69,28 @@ class TileProducts {
       }
       const std::size_t sl = static_cast<std::size_t>(slot);
       if (!q_packed_[sl]) {
-        q_[sl].pack(rows, d_k_, q, ldq);
+        q_[sl].pack(rows, d_k_, q, ldq, isa_);
         q_packed_[sl] = true;
       }
       gemm::multiply(q_[sl], k_packed_, alpha, Scalar(0), s, lds);
       return;
     }
     gemm::gemm_nt<Scalar>(ni, nj, d_k_, alpha, q + i0 * ldq, ldq, k_ + j0 * ldk_, ldk_, Scalar(0), s + i0 * lds + j0, lds,
-                          nullptr, &workspace_);
+                          nullptr, &workspace_, isa_);
   }
 
   // o(i, :) (row stride ldo) += sum over j of p(i, j) v_j for the same sub-rectangle of the tile.
   void accumulate(Index rows, Index i0, Index ni, Index j0, Index nj, const Scalar* p, Index ldp, Scalar* o, Index ldo) {
-    if (SDPA_TILED_PACKED_PRODUCTS && ni == rows && nj == cols_) {
+    if (packed_ && ni == rows && nj == cols_) {
       if (!v_ready_) {
-        v_packed_.pack_nn(cols_, d_v_, v_, ldv_);
+        v_packed_.pack_nn(cols_, d_v_, v_, ldv_, isa_);
         v_ready_ = true;
       }
       gemm::multiply(rows, p, ldp, v_packed_, Scalar(1), Scalar(1), o, ldo);
       return;
     }
     gemm::gemm_nn<Scalar>(ni, d_v_, nj, Scalar(1), p + i0 * ldp + j0, ldp, v_ + j0 * ldv_, ldv_, Scalar(1), o + i0 * ldo,
-                          ldo, nullptr, &workspace_);
+                          ldo, nullptr, &workspace_, isa_);
   }
 
   const Scalar* v() const noexcept { return v_; }
@@ -99,6 +98,8 @@ class TileProducts {
 
  private:
   const Index d_k_, d_v_;
+  const Isa isa_;
+  const bool packed_;
   std::vector<gemm::PackedA<Scalar>> q_;  // the group's query blocks
   std::vector<bool> q_packed_;
   gemm::PackedB<Scalar> k_packed_, v_packed_;
@@ -111,4 +112,4 @@ class TileProducts {
 };
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

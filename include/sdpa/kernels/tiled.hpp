@@ -12,6 +12,8 @@
 // threads, so every row is computed by the same operations on 1 thread or many.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include "sdpa/detail/buffer.hpp"
@@ -32,7 +34,7 @@
 #include "sdpa/kernels/visibility.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 // One tile as a visitor sees it: tile row i is query q0 + r0 + i, tile column j is key k0 + j. Only the
@@ -68,18 +70,18 @@ class TileScorer {
   using Index = Eigen::Index;
   using Segment = typename Visibility<Scalar>::Segment;
 
-  TileScorer(const ScorePipeline<Scalar>& pipeline, Index block_q, Index block_k, Index group)
+  TileScorer(const ScorePipeline<Scalar>& pipeline, const TileConfig& c)
       : pipeline_(pipeline),
         vis_(pipeline.visibility()),
         p_(vis_.problem()),
-        bq_(block_q),
-        bk_(block_k),
+        bq_(c.block_q),
+        bk_(c.block_k),
         // Score rows padded to a whole cache line so that each row the softmax reads starts on one.
-        lds_((block_k + kLine - 1) / kLine * kLine),
-        s_buf_(static_cast<std::size_t>(block_q * lds_ + kLine)),
-        ranges_(static_cast<std::size_t>(group * block_q)),
-        segments_(static_cast<std::size_t>(block_q)),
-        products_(block_q, block_k, group, p_.d_k, p_.d_v) {}
+        lds_((c.block_k + kLine - 1) / kLine * kLine),
+        s_buf_(static_cast<std::size_t>(c.block_q * lds_ + kLine)),
+        ranges_(static_cast<std::size_t>(c.group * c.block_q)),
+        segments_(static_cast<std::size_t>(c.block_q)),
+        products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, c.pack_operands) {}
 
   // Calls visit(tile) for every tile of (b, h) and the group rows q0 .. q0 + rows - 1 that some row sees,
   // key blocks in order (restricted to keys [key_lo, key_hi), which must start at a multiple of the key
@@ -188,13 +190,13 @@ class TiledForward {
   using Index = Eigen::Index;
   using Segment = typename Visibility<Scalar>::Segment;
 
-  TiledForward(const ScorePipeline<Scalar>& pipeline, Index block_q, Index block_k, Index group)
-      : scorer_(pipeline, block_q, block_k, group),
+  TiledForward(const ScorePipeline<Scalar>& pipeline, const TileConfig& c)
+      : scorer_(pipeline, c),
         vis_(pipeline.visibility()),
         p_(vis_.problem()),
-        o_buf_(static_cast<std::size_t>(group * block_q * p_.d_v + kLine)),
-        rows_(static_cast<std::size_t>(group * block_q)),
-        bits_(p_.dropout ? static_cast<std::size_t>(block_k + 8) : 0) {}
+        o_buf_(static_cast<std::size_t>(c.group * c.block_q * p_.d_v + kLine)),
+        rows_(static_cast<std::size_t>(c.group * c.block_q)),
+        bits_(p_.dropout ? static_cast<std::size_t>(c.block_k + 8) : 0) {}
 
   void run(Index b, Index h, Index q0, Index rows) {
     const AttentionProblem<Scalar>& p = p_;
@@ -211,7 +213,7 @@ class TiledForward {
         SoftmaxRow<Scalar>& row = rows_[static_cast<std::size_t>(t.r0 + i)];
         if (!t.segments[i].none()) row.seen = true;
         // Rows that see nothing here have only -inf scores: fold zeroes them and changes nothing.
-        const Scalar alpha = row.fold(t.row(i), nj);
+        const Scalar alpha = row.fold(p.isa, t.row(i), nj);
         if (alpha != Scalar(1)) {
           Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(o + (t.r0 + i) * p.d_v, p.d_v) *= alpha;
         }
@@ -271,7 +273,7 @@ class TiledForward {
           for (Index i = t.i0; i < t.i1; ++i) {
             if (t.segments[i].none()) continue;
             const Scalar lse = rows_[static_cast<std::size_t>(t.r0 + i)].log_sum_exp();
-            detail::ShiftedExp<Scalar>::run(t.row(i), t.width(), lse);
+            simd::exp_shifted_sum(p.isa, t.row(i), t.width(), lse);
             std::copy_n(t.row(i), t.width(), prob_row(t.q0 + t.r0 + i) + t.k0 + t.j0);
           }
         },
@@ -309,7 +311,7 @@ class TiledForward {
     const DropoutSampler& sampler = p_.sampler;
     const Scalar keep = p_.keep_scale;
     const Index k4_begin = k0 >> 2, blocks = ((k0 + n + 3) >> 2) - k4_begin;
-    sampler.fill_bits(bh, q, k4_begin, blocks, bits_.data());
+    sampler.fill_bits(p_.isa, bh, q, k4_begin, blocks, bits_.data());
     const std::uint32_t* bits = bits_.data() + (k0 - 4 * k4_begin);
     for (Index j = 0; j < n; ++j) x[j] = sampler.dropped_bits(bits[j]) ? Scalar(0) : x[j] * keep;
   }
@@ -346,6 +348,7 @@ TileConfig resolve_tile_config(const AttentionProblem<Scalar>& p, TileConfig con
   const Index max_block_k = TileConfig::max_block_k(static_cast<Index>(sizeof(Scalar)), p.d_k, p.d_v);
   if (p.nk <= 2 * derived.block_k && p.nk <= max_block_k) derived.block_k = std::max(derived.block_k, p.nk);
   TileConfig c;
+  c.pack_operands = config.pack_operands;
   c.block_q = std::max<Index>(1, std::min(p.nq, config.block_q > 0 ? config.block_q : derived.block_q));
   c.block_k = std::max<Index>(1, std::min(p.nk, config.block_k > 0 ? config.block_k : derived.block_k));
   const Index q_blocks = (p.nq + c.block_q - 1) / c.block_q;
@@ -385,7 +388,7 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
   const ScorePipeline<Scalar> pipeline(visibility);
   std::atomic<Index> computed{0}, skipped{0};
   parallel_for_with_state(
-      device, units, grain, [&] { return TiledForward<Scalar>(pipeline, c.block_q, c.block_k, c.group); },
+      device, units, grain, [&] { return TiledForward<Scalar>(pipeline, c); },
       [&](TiledForward<Scalar>& worker, Index u0, Index u1) {
         for (Index u = u0; u < u1; ++u) {
           const Index bh = u / groups, g = u % groups;
@@ -404,4 +407,4 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
 }
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

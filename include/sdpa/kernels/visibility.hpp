@@ -5,6 +5,8 @@
 // only a row whose mask has holes inside its range reads the mask again.
 #pragma once
 
+#include "sdpa/config.hpp"
+
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
@@ -17,7 +19,7 @@
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/parallel.hpp"
 
-namespace sdpa {
+SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 // Where the unmasked keys of one mask row lie: all in [lo, hi), and when `solid` every key of [lo, hi) is
@@ -180,4 +182,4 @@ class Visibility {
 };
 
 }  // namespace kernels
-}  // namespace sdpa
+SDPA_NAMESPACE_END

@@ -1,0 +1,222 @@
+// The AVX2 + FMA kernels (namespace sdpa::avx2), compiled in a target region whatever the translation
+// unit's -march and run where sdpa/cpu.hpp finds AVX2, FMA and F16C: the vector traits below, the generic
+// kernels of sdpa/simd/*.inc instantiated over them, and the softmax exponent.
+//
+// GEMM register tile: 6 rows x 2 ymm vectors (16 floats or 8 doubles), A values broadcast into a register
+// (AVX2 has no broadcast operand). Six rows give 12 accumulators, more than the 8 chains two FMA pipes of
+// latency 4 need (Zen 2/3/4, Haswell to Raptor Lake), and 12 + 2 B vectors + 1 broadcast fill 15 of the 16
+// ymm registers.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#if SDPA_DISPATCH
+
+#include "sdpa/detail/intrinsics.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#include "sdpa/gemm/blocking.hpp"
+#include "sdpa/gemm/epilogue.hpp"
+
+#include "sdpa/simd/target_avx2_begin.hpp"
+
+SDPA_NAMESPACE_BEGIN
+namespace avx2 {
+
+template <typename Scalar>
+struct Vec;
+
+template <>
+struct Vec<float> {
+  using Scalar = float;
+  using Reg = __m256;
+  using Mask = __m256i;
+  static constexpr Eigen::Index width = 8;
+  static constexpr Eigen::Index kGemmRows = 6;
+  static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+  static Reg zero() noexcept { return _mm256_setzero_ps(); }
+  static Reg set1(float x) noexcept { return _mm256_set1_ps(x); }
+  static Reg broadcast(const float* p) noexcept { return _mm256_broadcast_ss(p); }
+  static Reg load(const float* p) noexcept { return _mm256_load_ps(p); }
+  static Reg loadu(const float* p) noexcept { return _mm256_loadu_ps(p); }
+  static Reg loadu(const float* p, Mask m) noexcept { return _mm256_maskload_ps(p, m); }
+  static void storeu(float* p, Reg x) noexcept { _mm256_storeu_ps(p, x); }
+  static void storeu(float* p, Mask m, Reg x) noexcept { _mm256_maskstore_ps(p, m, x); }
+  static Reg fmadd(Reg a, Reg b, Reg c) noexcept { return _mm256_fmadd_ps(a, b, c); }
+  static Reg mul(Reg a, Reg b) noexcept { return _mm256_mul_ps(a, b); }
+  static Reg add(Reg a, Reg b) noexcept { return _mm256_add_ps(a, b); }
+  static Reg max(Reg a, Reg b) noexcept { return _mm256_max_ps(a, b); }
+  static float reduce_add(Reg a) noexcept {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float reduce_max(Reg a) noexcept {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  // Lanes below n, n in [0, width].
+  static Mask mask(Eigen::Index n) noexcept {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static Reg select(Mask m, Reg x, Reg fill) noexcept { return _mm256_blendv_ps(fill, x, _mm256_castsi256_ps(m)); }
+  // r[i][j] becomes r[j][i]: 4 x 4 blocks inside 128-bit lanes, then the lanes.
+  static void transpose(Reg (&r)[8]) noexcept {
+    Reg t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int x = 0; x < 4; ++x) {
+      r[x] = _mm256_permute2f128_ps(u[x], u[x + 4], 0x20);
+      r[x + 4] = _mm256_permute2f128_ps(u[x], u[x + 4], 0x31);
+    }
+  }
+};
+
+template <>
+struct Vec<double> {
+  using Scalar = double;
+  using Reg = __m256d;
+  using Mask = __m256i;
+  static constexpr Eigen::Index width = 4;
+  static constexpr Eigen::Index kGemmRows = 6;
+  static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+  static Reg zero() noexcept { return _mm256_setzero_pd(); }
+  static Reg set1(double x) noexcept { return _mm256_set1_pd(x); }
+  static Reg broadcast(const double* p) noexcept { return _mm256_broadcast_sd(p); }
+  static Reg load(const double* p) noexcept { return _mm256_load_pd(p); }
+  static Reg loadu(const double* p) noexcept { return _mm256_loadu_pd(p); }
+  static Reg loadu(const double* p, Mask m) noexcept { return _mm256_maskload_pd(p, m); }
+  static void storeu(double* p, Reg x) noexcept { _mm256_storeu_pd(p, x); }
+  static void storeu(double* p, Mask m, Reg x) noexcept { _mm256_maskstore_pd(p, m, x); }
+  static Reg fmadd(Reg a, Reg b, Reg c) noexcept { return _mm256_fmadd_pd(a, b, c); }
+  static Reg mul(Reg a, Reg b) noexcept { return _mm256_mul_pd(a, b); }
+  static Reg add(Reg a, Reg b) noexcept { return _mm256_add_pd(a, b); }
+  static Reg max(Reg a, Reg b) noexcept { return _mm256_max_pd(a, b); }
+  static double reduce_add(Reg a) noexcept {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+  }
+  static double reduce_max(Reg a) noexcept {
+    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    s = _mm_max_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+  }
+  static Mask mask(Eigen::Index n) noexcept {
+    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(static_cast<long long>(n)), _mm256_setr_epi64x(0, 1, 2, 3));
+  }
+  static Reg select(Mask m, Reg x, Reg fill) noexcept { return _mm256_blendv_pd(fill, x, _mm256_castsi256_pd(m)); }
+  static void transpose(Reg (&r)[4]) noexcept {
+    const Reg t0 = _mm256_unpacklo_pd(r[0], r[1]), t1 = _mm256_unpackhi_pd(r[0], r[1]);
+    const Reg t2 = _mm256_unpacklo_pd(r[2], r[3]), t3 = _mm256_unpackhi_pd(r[2], r[3]);
+    r[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
+    r[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+    r[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+    r[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+  }
+};
+
+// 8 lanes of 32-bit words, for Philox.
+struct Words {
+  using Reg = __m256i;
+  static constexpr int width = 8;
+  static Reg iota() noexcept { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static Reg set1(std::uint32_t x) noexcept { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static Reg add(Reg a, Reg b) noexcept { return _mm256_add_epi32(a, b); }
+  static Reg bxor(Reg a, Reg b) noexcept { return _mm256_xor_si256(a, b); }
+  static Reg mullo(Reg a, Reg b) noexcept { return _mm256_mullo_epi32(a, b); }
+  static Reg mulhi(Reg a, Reg b) noexcept {
+    const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(a, b), 32);
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), _mm256_srli_epi64(b, 32));
+    return _mm256_blend_epi32(even, odd, 0xAA);
+  }
+  static void store(std::uint32_t* p, Reg x) noexcept { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
+};
+
+// exp(v - shift) in 8 lanes: exactly 0 below -87.33 (the -inf of hidden keys included), +inf above 88.72,
+// NaN for NaN. exp(t) = 2^(k / 8) exp(r) with k the integer nearest t * 8 / ln 2 and |r| <= ln 2 / 16:
+// 2^(k / 8) = 2^floor(k / 8) 2^((k mod 8) / 8), the second from a table of 8 powers read by one vpermps
+// (AVX2 has no two-table permute for AVX-512's 32 entries), exp(r) by its series up to r^4 (the first term
+// left out, r^5 / 120, is below 1.3e-9 of it), and the power of two built in the exponent field in two
+// halves (2^floor(k / 8) reaches 2^128, past float's largest exponent, where the product overflows to inf
+// as exp does); at most 2 ulp from exp (tests/simd_test.cpp).
+inline __m256 exp_shifted(__m256 v, __m256 shift) noexcept {
+  // (vminps returns its second operand when either is NaN: a NaN argument stays NaN.)
+  const __m256 t = _mm256_min_ps(_mm256_set1_ps(88.8f), _mm256_sub_ps(v, shift));
+  const __m256 keep = _mm256_cmp_ps(t, _mm256_set1_ps(-87.33f), _CMP_NLT_UQ);
+  // k in the low bits of 1.5 * 2^23 + k (|k| <= 1025 < 2^22), rounded to nearest by the fused add; the
+  // magic number is a multiple of 8, so its bits' low three are k mod 8 (vpermps reads no more).
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 kk = _mm256_fmadd_ps(t, _mm256_set1_ps(11.5415602f), magic);
+  const __m256 k = _mm256_sub_ps(kk, magic);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f / 8), t);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f / 8), r);
+  const __m256 table = _mm256_setr_ps(1.0f, 1.09050775f, 1.18920708f, 1.29683959f, 1.41421354f, 1.54221082f,
+                                      1.68179286f, 1.8340081f);
+  const __m256i kbits = _mm256_castps_si256(kk);
+  const __m256 pow = _mm256_permutevar8x32_ps(table, kbits);
+  __m256 q = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 24), r, _mm256_set1_ps(1.0f / 6));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(0.5f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
+  const __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(pow, r), q, pow);
+  // n = floor(k / 8) in [-126, 128] for the lanes kept, as n1 + n2 with both in [-63, 64].
+  const __m256i n = _mm256_srai_epi32(_mm256_sub_epi32(kbits, _mm256_castps_si256(magic)), 3);
+  const __m256i n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_and_ps(keep, _mm256_mul_ps(_mm256_mul_ps(y, s1), s2));
+}
+
+inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
+  const __m256 vshift = _mm256_set1_ps(shift);
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+  Eigen::Index j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256 y0 = exp_shifted(_mm256_loadu_ps(x + j), vshift);
+    const __m256 y1 = exp_shifted(_mm256_loadu_ps(x + j + 8), vshift);
+    _mm256_storeu_ps(x + j, y0);
+    _mm256_storeu_ps(x + j + 8, y1);
+    sum0 = _mm256_add_ps(sum0, y0);
+    sum1 = _mm256_add_ps(sum1, y1);
+  }
+  for (; j < n; j += 8) {
+    const __m256i m = Vec<float>::mask(std::min<Eigen::Index>(8, n - j));
+    // Lanes past n read as 0 and give exp(-shift), which the mask removes from the sum and the store.
+    const __m256 y = _mm256_and_ps(_mm256_castsi256_ps(m), exp_shifted(_mm256_maskload_ps(x + j, m), vshift));
+    _mm256_maskstore_ps(x + j, m, y);
+    sum0 = _mm256_add_ps(sum0, y);
+  }
+  return Vec<float>::reduce_add(_mm256_add_ps(sum0, sum1));
+}
+
+#include "sdpa/simd/generic_gemm.inc"
+#include "sdpa/simd/generic_rows.inc"
+
+}  // namespace avx2
+SDPA_NAMESPACE_END
+
+#include "sdpa/simd/target_end.hpp"
+
+#endif  // SDPA_DISPATCH

@@ -1,0 +1,225 @@
+// The AVX-512 kernels (namespace sdpa::avx512), compiled in a target region whatever the translation unit's
+// -march and run only where sdpa/cpu.hpp finds AVX-512 F, BW, DQ and VL: the vector traits below, and the
+// generic kernels of sdpa/simd/*.inc instantiated over them (the GEMM micro-kernels and packing, the softmax
+// row passes, Philox, the row products of the decoding step and the few-row projections), plus the
+// softmax exponent, which uses instructions AVX2 lacks.
+//
+// GEMM register tile: 12 rows x 2 zmm vectors (32 floats or 16 doubles). With two FMA pipes of latency 4 at
+// least 8 independent chains are needed, and 24 accumulators leave the loads and broadcasts room between
+// them, while 24 + 2 B vectors stay within the 32 zmm registers. The k loop reads 2 vectors and 12 scalars
+// per 24 FMAs; the 12 x kc A sliver stays in L1 while B slivers stream from L2 (gemm/blocking.hpp).
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#if SDPA_DISPATCH
+
+#include "sdpa/detail/intrinsics.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#include "sdpa/gemm/blocking.hpp"
+#include "sdpa/gemm/epilogue.hpp"
+
+#include "sdpa/simd/target_avx512_begin.hpp"
+
+SDPA_NAMESPACE_BEGIN
+namespace avx512 {
+
+template <typename Scalar>
+struct Vec;
+
+template <>
+struct Vec<float> {
+  using Scalar = float;
+  using Reg = __m512;
+  using Mask = __mmask16;
+  static constexpr Eigen::Index width = 16;
+  static constexpr Eigen::Index kGemmRows = 12;
+  static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+  static Reg zero() noexcept { return _mm512_setzero_ps(); }
+  static Reg set1(float x) noexcept { return _mm512_set1_ps(x); }
+  static Reg broadcast(const float* p) noexcept { return _mm512_set1_ps(*p); }  // an FMA's memory operand
+  static Reg load(const float* p) noexcept { return _mm512_load_ps(p); }
+  static Reg loadu(const float* p) noexcept { return _mm512_loadu_ps(p); }
+  static Reg loadu(const float* p, Mask m) noexcept { return _mm512_maskz_loadu_ps(m, p); }
+  static void storeu(float* p, Reg x) noexcept { _mm512_storeu_ps(p, x); }
+  static void storeu(float* p, Mask m, Reg x) noexcept { _mm512_mask_storeu_ps(p, m, x); }
+  static Reg fmadd(Reg a, Reg b, Reg c) noexcept { return _mm512_fmadd_ps(a, b, c); }
+  static Reg mul(Reg a, Reg b) noexcept { return _mm512_mul_ps(a, b); }
+  static Reg add(Reg a, Reg b) noexcept { return _mm512_add_ps(a, b); }
+  static Reg max(Reg a, Reg b) noexcept { return _mm512_max_ps(a, b); }
+  static float reduce_add(Reg a) noexcept { return _mm512_reduce_add_ps(a); }
+  static float reduce_max(Reg a) noexcept { return _mm512_reduce_max_ps(a); }
+  // The first n lanes, n in [0, width].
+  static Mask mask(Eigen::Index n) noexcept { return static_cast<Mask>((1u << static_cast<unsigned>(n)) - 1u); }
+  // Masked-off lanes of x replaced by `fill`.
+  static Reg select(Mask m, Reg x, Reg fill) noexcept { return _mm512_mask_blend_ps(m, fill, x); }
+  // r[i][j] becomes r[j][i]: 4 x 4 blocks inside 128-bit lanes, then the lanes. The zero-masking forms
+  // with a full mask are the same instructions; the plain forms pass GCC 12 an undefined vector that its
+  // -Wmaybe-uninitialized reports inside avx512fintrin.h.
+  static void transpose(Reg (&r)[16]) noexcept {
+    constexpr Mask kAll = 0xFFFF;
+    Reg t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_maskz_unpacklo_ps(kAll, r[i], r[i + 1]);
+      t[i + 1] = _mm512_maskz_unpackhi_ps(kAll, r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      u[i] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], 0x44);
+      u[i + 1] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], 0xEE);
+      u[i + 2] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0x44);
+      u[i + 3] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int x = 0; x < 4; ++x) {
+      const Reg a = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0x88),
+                b = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0x88);
+      const Reg c = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0xDD),
+                d = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0xDD);
+      r[x] = _mm512_maskz_shuffle_f32x4(kAll, a, b, 0x88);
+      r[x + 8] = _mm512_maskz_shuffle_f32x4(kAll, a, b, 0xDD);
+      r[x + 4] = _mm512_maskz_shuffle_f32x4(kAll, c, d, 0x88);
+      r[x + 12] = _mm512_maskz_shuffle_f32x4(kAll, c, d, 0xDD);
+    }
+  }
+};
+
+template <>
+struct Vec<double> {
+  using Scalar = double;
+  using Reg = __m512d;
+  using Mask = __mmask8;
+  static constexpr Eigen::Index width = 8;
+  static constexpr Eigen::Index kGemmRows = 12;
+  static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+  static Reg zero() noexcept { return _mm512_setzero_pd(); }
+  static Reg set1(double x) noexcept { return _mm512_set1_pd(x); }
+  static Reg broadcast(const double* p) noexcept { return _mm512_set1_pd(*p); }
+  static Reg load(const double* p) noexcept { return _mm512_load_pd(p); }
+  static Reg loadu(const double* p) noexcept { return _mm512_loadu_pd(p); }
+  static Reg loadu(const double* p, Mask m) noexcept { return _mm512_maskz_loadu_pd(m, p); }
+  static void storeu(double* p, Reg x) noexcept { _mm512_storeu_pd(p, x); }
+  static void storeu(double* p, Mask m, Reg x) noexcept { _mm512_mask_storeu_pd(p, m, x); }
+  static Reg fmadd(Reg a, Reg b, Reg c) noexcept { return _mm512_fmadd_pd(a, b, c); }
+  static Reg mul(Reg a, Reg b) noexcept { return _mm512_mul_pd(a, b); }
+  static Reg add(Reg a, Reg b) noexcept { return _mm512_add_pd(a, b); }
+  static Reg max(Reg a, Reg b) noexcept { return _mm512_max_pd(a, b); }
+  static double reduce_add(Reg a) noexcept { return _mm512_reduce_add_pd(a); }
+  static double reduce_max(Reg a) noexcept { return _mm512_reduce_max_pd(a); }
+  static Mask mask(Eigen::Index n) noexcept { return static_cast<Mask>((1u << static_cast<unsigned>(n)) - 1u); }
+  static Reg select(Mask m, Reg x, Reg fill) noexcept { return _mm512_mask_blend_pd(m, fill, x); }
+  static void transpose(Reg (&r)[8]) noexcept {
+    constexpr Mask kAll = 0xFF;
+    Reg t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm512_maskz_unpacklo_pd(kAll, r[i], r[i + 1]);
+      t[i + 1] = _mm512_maskz_unpackhi_pd(kAll, r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      u[i] = _mm512_maskz_shuffle_f64x2(kAll, t[i], t[i + 2], 0x88);
+      u[i + 1] = _mm512_maskz_shuffle_f64x2(kAll, t[i + 1], t[i + 3], 0x88);
+      u[i + 2] = _mm512_maskz_shuffle_f64x2(kAll, t[i], t[i + 2], 0xDD);
+      u[i + 3] = _mm512_maskz_shuffle_f64x2(kAll, t[i + 1], t[i + 3], 0xDD);
+    }
+    for (int x = 0; x < 4; ++x) {
+      r[x] = _mm512_maskz_shuffle_f64x2(kAll, u[x], u[x + 4], 0x88);
+      r[x + 4] = _mm512_maskz_shuffle_f64x2(kAll, u[x], u[x + 4], 0xDD);
+    }
+  }
+};
+
+// 16 lanes of 32-bit words, for Philox.
+struct Words {
+  using Reg = __m512i;
+  static constexpr int width = 16;
+  static Reg iota() noexcept { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static Reg set1(std::uint32_t x) noexcept { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static Reg add(Reg a, Reg b) noexcept { return _mm512_add_epi32(a, b); }
+  static Reg bxor(Reg a, Reg b) noexcept { return _mm512_xor_si512(a, b); }
+  static Reg mullo(Reg a, Reg b) noexcept { return _mm512_mullo_epi32(a, b); }
+  // High 32 bits of the 32x32-bit products of each lane.
+  static Reg mulhi(Reg a, Reg b) noexcept {
+    const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(a, b), 32);
+    const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), _mm512_srli_epi64(b, 32));
+    return _mm512_mask_blend_epi32(0xAAAA, even, odd);
+  }
+  static void store(std::uint32_t* p, Reg x) noexcept { _mm512_storeu_si512(p, x); }
+};
+
+// x[j] = exp(x[j] - shift) for j < n, returning their sum; exactly 0 for arguments below -87.33 (the
+// -inf of hidden keys included), NaN for NaN. exp(t) = 2^(k / 32) exp(r) with k the integer nearest
+// t * 32 / ln 2 and |r| <= ln 2 / 64, 2^(k / 32) = 2^floor(k / 32) 2^((k mod 32) / 32) from a table of 32
+// powers read by one vpermt2ps, and exp(r) by its series up to r^3 (the first term left out, r^4 / 24, is
+// below 6e-10 of it): 14 vector operations, 9 of them on the multiply units, where Cephes' polynomial over
+// |r| <= ln 2 / 2 (which Eigen uses) takes 15 and 11; at most 1.01 ulp from exp (tests/simd_test.cpp).
+inline __m512 exp_shifted(__m512 v, __m512 shift, __mmask16 lanes) noexcept {
+  // Arguments above 88.8 give +inf (exp overflows from 88.73); keeping them there keeps k exact below.
+  // (vminps returns its second operand when either is NaN: a NaN argument stays NaN.)
+  const __m512 t = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_sub_ps(v, shift));
+  // Zero below -87.33, where exp falls under FLT_MIN; -inf (masked) included, whose NaN from the
+  // reduction below is dropped here. (The unmasked compare and an AND: at -O0 GCC's macro for the masked
+  // compare trips -Wsign-conversion.)
+  lanes = static_cast<__mmask16>(lanes & _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ));
+  // k in the low bits of 1.5 * 2^23 + k (|k| <= 4100 < 2^22), rounded to nearest by the fused add.
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 kk = _mm512_fmadd_ps(t, _mm512_set1_ps(46.1662413f), magic);
+  const __m512 k = _mm512_sub_ps(kk, magic);
+  // r = t - k ln 2 / 32 in two steps (Cephes' split of ln 2, over 32): k times the first part is exact.
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f / 32), t);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f / 32), r);
+  // 2^(i / 32) rounded to float; vpermt2ps reads the index from the low five bits of kk: k mod 32.
+  const __m512 pow_lo = _mm512_setr_ps(1.0f, 1.0218972f, 1.04427373f, 1.06714046f, 1.09050775f, 1.1143868f,
+                                       1.13878858f, 1.1637249f, 1.18920708f, 1.21524739f, 1.24185777f, 1.26905096f,
+                                       1.29683959f, 1.32523668f, 1.35425556f, 1.38390994f);
+  const __m512 pow_hi = _mm512_setr_ps(1.41421354f, 1.44518077f, 1.47682619f, 1.50916445f, 1.54221082f, 1.5759809f,
+                                       1.61049032f, 1.64575553f, 1.68179286f, 1.71861935f, 1.75625217f, 1.79470909f,
+                                       1.8340081f, 1.87416768f, 1.91520655f, 1.95714414f);
+  const __m512 pow = _mm512_permutex2var_ps(pow_lo, _mm512_castps_si512(kk), pow_hi);
+  // pow (1 + r (1 + r / 2 + r^2 / 6)), the last addition rounding once.
+  __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 6), r, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(pow, r), q, pow);
+  // vscalefps multiplies by 2^floor of its second operand: 2^floor(k / 32) (k / 32 is exact).
+  return _mm512_maskz_scalef_ps(lanes, y, _mm512_mul_ps(k, _mm512_set1_ps(1.0f / 32)));
+}
+
+inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
+  const __m512 vshift = _mm512_set1_ps(shift);
+  // Two sums so that consecutive packets do not wait on one another's addition.
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  Eigen::Index j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 y0 = exp_shifted(_mm512_loadu_ps(x + j), vshift, __mmask16(0xFFFF));
+    const __m512 y1 = exp_shifted(_mm512_loadu_ps(x + j + 16), vshift, __mmask16(0xFFFF));
+    _mm512_storeu_ps(x + j, y0);
+    _mm512_storeu_ps(x + j + 16, y1);
+    sum0 = _mm512_add_ps(sum0, y0);
+    sum1 = _mm512_add_ps(sum1, y1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 y = exp_shifted(_mm512_maskz_loadu_ps(lanes, x + j), vshift, lanes);
+    _mm512_mask_storeu_ps(x + j, lanes, y);
+    sum0 = _mm512_add_ps(sum0, y);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+#include "sdpa/simd/generic_gemm.inc"
+#include "sdpa/simd/generic_rows.inc"
+
+}  // namespace avx512
+SDPA_NAMESPACE_END
+
+#include "sdpa/simd/target_end.hpp"
+
+#endif  // SDPA_DISPATCH

@@ -1,0 +1,116 @@
+// The run-time choice between the per-ISA kernels (sdpa::avx512, sdpa::avx2, sdpa::portable): each
+// function takes the Isa a kernel call read at its start (sdpa/cpu.hpp) and runs that path's version.
+// Where a path has no version of its own for a type (the softmax exponent in double), the portable one
+// serves. with_gemm_kernel hands a GEMM's loops the micro-kernel type of the path, so that the loops are
+// instantiated once per path and run without a branch inside.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <cstdint>
+#include <type_traits>
+
+#include "sdpa/cpu.hpp"
+#include "sdpa/simd/avx2.hpp"
+#include "sdpa/simd/avx512.hpp"
+#include "sdpa/simd/portable.hpp"
+
+SDPA_NAMESPACE_BEGIN
+namespace simd {
+
+// f(Kernel{}) with the GEMM micro-kernel of `isa` for Scalar.
+template <typename Scalar, typename F>
+decltype(auto) with_gemm_kernel(Isa isa, F&& f) {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return f(avx512::GemmKernel<Scalar>{});
+  if (isa == Isa::kAvx2) return f(avx2::GemmKernel<Scalar>{});
+#else
+  (void)isa;
+#endif
+  return f(portable::GemmKernel<Scalar>{});
+}
+
+// x[j] = exp(x[j] - shift) for j < n, returning their sum: the softmax's pass over a row of scores; exactly
+// 0 for hidden keys (-inf).
+template <typename Scalar>
+Scalar exp_shifted_sum(Isa isa, Scalar* x, Eigen::Index n, Scalar shift) noexcept {
+#if SDPA_DISPATCH
+  if constexpr (std::is_same<Scalar, float>::value) {
+    if (isa == Isa::kAvx512) return avx512::exp_shifted_sum(x, n, shift);
+    if (isa == Isa::kAvx2) return avx2::exp_shifted_sum(x, n, shift);
+  }
+#endif
+  (void)isa;
+  return portable::exp_shifted_sum(x, n, shift);
+}
+
+// The largest of x[0 .. n), n > 0 (a NaN may or may not win).
+template <typename Scalar>
+Scalar row_max(Isa isa, const Scalar* x, Eigen::Index n) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::row_max(x, n);
+  if (isa == Isa::kAvx2) return avx2::row_max(x, n);
+#endif
+  (void)isa;
+  return portable::row_max(x, n);
+}
+
+template <typename Scalar>
+Scalar dot(Isa isa, const Scalar* a, const Scalar* b, Eigen::Index n) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::dot(a, b, n);
+  if (isa == Isa::kAvx2) return avx2::dot(a, b, n);
+#endif
+  (void)isa;
+  return portable::dot(a, b, n);
+}
+
+// acc[0, n) += sum over j < m of w[j] * rows[j * stride + (0, n)].
+template <typename Scalar>
+void add_weighted_rows(Isa isa, Scalar* acc, Eigen::Index n, const Scalar* w, const Scalar* rows, Eigen::Index stride,
+                       Eigen::Index m) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::add_weighted_rows(acc, n, w, rows, stride, m);
+  if (isa == Isa::kAvx2) return avx2::add_weighted_rows(acc, n, w, rows, stride, m);
+#endif
+  (void)isa;
+  portable::add_weighted_rows(acc, n, w, rows, stride, m);
+}
+
+// The decoding step's scores of a chunk of keys (generic_rows.inc's chunk_scores).
+template <typename Scalar>
+void chunk_scores(Isa isa, const Scalar* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n, const Scalar* q,
+                  Eigen::Index q_head, Eigen::Index q_row, Eigen::Index heads, Eigen::Index group, Eigen::Index nq,
+                  Eigen::Index d, Scalar scale, Scalar* s, Eigen::Index lds) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::chunk_scores(k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+  if (isa == Isa::kAvx2) return avx2::chunk_scores(k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+#endif
+  (void)isa;
+  portable::chunk_scores(k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+}
+
+// Philox words of the first blocks of [k4_begin, k4_begin + blocks) of row (bh, q) that the path computes
+// `width` blocks at a time, in DropoutSampler::fill_bits's layout; returns how many blocks that covered
+// (0 on the portable path). The caller computes the rest one block at a time.
+inline std::int64_t philox_fill(Isa isa, std::uint32_t key0, std::uint32_t key1, std::uint32_t call, std::int64_t bh,
+                                std::int64_t q, std::int64_t k4_begin, std::int64_t blocks, std::uint32_t* out) noexcept {
+  std::int64_t i = 0;
+#if SDPA_DISPATCH
+  const auto run = [&](auto width, auto fill) {
+    for (; i + width <= blocks; i += width)
+      fill(key0, key1, call, static_cast<std::uint32_t>(bh), static_cast<std::uint32_t>(q),
+           static_cast<std::uint32_t>(k4_begin + i), out + 4 * i);
+  };
+  if (isa == Isa::kAvx512) run(std::int64_t{avx512::Words::width}, avx512::philox_blocks);
+  else if (isa == Isa::kAvx2) run(std::int64_t{avx2::Words::width}, avx2::philox_blocks);
+#else
+  (void)isa, (void)key0, (void)key1, (void)call, (void)bh, (void)q, (void)k4_begin, (void)blocks, (void)out;
+#endif
+  return i;
+}
+
+}  // namespace simd
+SDPA_NAMESPACE_END

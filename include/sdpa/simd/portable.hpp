@@ -1,0 +1,118 @@
+// The portable kernels (namespace sdpa::portable): the same operations as sdpa::avx512 and sdpa::avx2 in
+// plain C++ and Eigen, compiled for the translation unit's baseline. They run where neither AVX2 nor
+// AVX-512 is available (or SDPA_ISA=portable asks for them), on every architecture (ARM64 included), and
+// with compilers that have no target attributes. The GEMM kernel multiplies each packed block with one
+// Eigen product: mr = nr = 1 makes a packed block a plain row-major matrix (A as [rows, kc], B as
+// [cols, kc]), which is correct on any target.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/gemm/pack.hpp"
+
+SDPA_NAMESPACE_BEGIN
+namespace portable {
+
+template <typename Scalar>
+struct GemmKernel {
+  using Index = Eigen::Index;
+  using Epilogue = gemm::detail::Epilogue<Scalar>;
+  static constexpr Index mr = 1;
+  static constexpr Index nr = 1;
+  // Eigen's kernels take different code paths (and roundings) for different block shapes.
+  static constexpr bool kShapeDependentRounding = true;
+
+  static void pack_a(Index rows, Index kc, const Scalar* a, Index lda, Scalar* dst) noexcept {
+    gemm::detail::pack_rows<mr>(rows, kc, a, lda, dst);
+  }
+  static void pack_b_rows(Index cols, Index kc, const Scalar* b, Index ldb, Scalar* dst) noexcept {
+    gemm::detail::pack_rows<nr>(cols, kc, b, ldb, dst);
+  }
+  static void pack_b_cols(Index cols, Index kc, const Scalar* b, Index ldb, Scalar* dst) noexcept {
+    gemm::detail::pack_cols<nr>(cols, kc, b, ldb, dst);
+  }
+
+  static void block(Index kc, Index rows, Index cols, const Scalar* pa, const Scalar* pb, Scalar* c, Index ldc,
+                    const Epilogue& ep) noexcept {
+    block_in_place(kc, rows, cols, pa, kc, pb, c, ldc, ep);
+  }
+
+  static void block_rows(Index kc, Index rows, Index cols, const Scalar* a, Index lda, const Scalar* pb, Scalar* c,
+                         Index ldc, const Epilogue& ep) noexcept {
+    block_in_place(kc, rows, cols, a, lda, pb, c, ldc, ep);
+  }
+
+  static void block_in_place(Index kc, Index rows, Index cols, const Scalar* pa, Index lda, const Scalar* pb, Scalar* c,
+                             Index ldc, const Epilogue& ep) noexcept {
+    using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using Stride = Eigen::OuterStride<>;
+    const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> a(pa, rows, kc, Stride(lda));
+    const Eigen::Map<const RowMatrix> b(pb, cols, kc);
+    Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cm(c, rows, cols, Stride(ldc));
+    if (!ep.first) {
+      cm.noalias() += ep.alpha * a * b.transpose();
+      return;
+    }
+    if (ep.beta == Scalar(0)) {
+      cm.noalias() = ep.alpha * a * b.transpose();
+    } else {
+      cm *= ep.beta;
+      cm.noalias() += ep.alpha * a * b.transpose();
+    }
+    if (ep.bias != nullptr) {
+      cm.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(ep.bias, cols);
+    }
+  }
+};
+
+// x[j] = exp(x[j] - shift) for j < n, returning the sum of the results. Hidden keys (-inf) give exactly 0
+// (Eigen's vectorised exp clamps its argument, so they are selected to 0 explicitly).
+template <typename Scalar>
+Scalar exp_shifted_sum(Scalar* x, Eigen::Index n, Scalar shift) noexcept {
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
+  a = (a == -std::numeric_limits<Scalar>::infinity()).select(Scalar(0), (a - shift).exp());
+  return a.sum();
+}
+
+// The largest of x[0 .. n) for n > 0 (a NaN may or may not win, as in the vector kernels).
+template <typename Scalar>
+Scalar row_max(const Scalar* x, Eigen::Index n) noexcept {
+  return Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(x, n).maxCoeff();
+}
+
+template <typename Scalar>
+Scalar dot(const Scalar* a, const Scalar* b, Eigen::Index n) noexcept {
+  using V = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+  return V(a, n).dot(V(b, n));
+}
+
+template <typename Scalar>
+void add_weighted_rows(Scalar* acc, Eigen::Index n, const Scalar* w, const Scalar* rows, Eigen::Index stride,
+                       Eigen::Index m) noexcept {
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(acc, n);
+  for (Eigen::Index j = 0; j < m; ++j) a += w[j] * Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(rows + j * stride, n);
+}
+
+// The decoding step's scores of a chunk of keys (see generic_rows.inc's chunk_scores).
+template <typename Scalar>
+void chunk_scores(const Scalar* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n, const Scalar* q,
+                  Eigen::Index q_head, Eigen::Index q_row, Eigen::Index heads, Eigen::Index group, Eigen::Index nq,
+                  Eigen::Index d, Scalar scale, Scalar* s, Eigen::Index lds) noexcept {
+  for (Eigen::Index j = 0; j < n; ++j)
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      const Scalar* kr = k + j * k_row + (h / group) * k_head;
+      for (Eigen::Index i = 0; i < nq; ++i) s[(h * nq + i) * lds + j] = scale * dot(kr, q + h * q_head + i * q_row, d);
+    }
+}
+
+}  // namespace portable
+SDPA_NAMESPACE_END

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# sdpa on CPUs this machine is not, under QEMU's user-mode emulation (Debian's qemu-user):
+#   1. A portable x86-64 build (no -march flag, as distributions build) of the core tests under
+#      `qemu-x86_64 -cpu Nehalem` (SSE4.2, no AVX: the portable path) and `-cpu Haswell` (AVX2 + FMA, no
+#      AVX-512: the AVX2 path; QEMU 7.2 emulates AVX2): they pass and sdpa::cpu_isa() reports the path the
+#      CPU must get (SDPA_EXPECT_ISA), with no illegal instruction.
+#   2. The ODR test (tests/odr/): a translation unit built with AVX-512 and one without in one program,
+#      run under -cpu Haswell.
+#   3. ARM64: a cross build (g++-aarch64-linux-gnu, GoogleTest built from Debian's sources) of the module,
+#      parity-fixture, options, decoding and backward tests, run under qemu-aarch64.
+# Emulation is 10-50 times slower than the host, so the runs take subsets (gtest filters below).
+#
+#   bash scripts/emulated.sh           work dirs under $SDPA_EMULATED_DIR (default build-emulated/)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+. "$root/scripts/deps.sh"
+sdpa_install_missing g++ make cmake libeigen3-dev libgtest-dev qemu-user g++-aarch64-linux-gnu libc6-dev-arm64-cross
+work=${SDPA_EMULATED_DIR:-$root/build-emulated}
+jobs=$(nproc)
+mkdir -p "$work"
+
+# 1. The portable x86-64 build.
+x86="$work/x86-64"
+cmake -S "$root" -B "$x86" -DCMAKE_BUILD_TYPE=Release -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF \
+  -DSDPA_IO=OFF -DSDPA_ONEDNN=OFF -DSDPA_NATIVE=OFF >/dev/null
+cmake --build "$x86" -j "$jobs" --target core_tests module_tests kv_cache_test odr_test
+# What each emulated CPU runs: the choice of path and the kernels' tests on it (gemm, softmax and Philox
+# rows, the module with every option, decoding).
+core_filter='CpuIsa*:Simd*:DropoutSampler*:LinearTest*:GemmTest/*.AttentionTilePattern:GemmTest/*.NtBias*'
+module_filter='ModuleTest*:OptionsTest*:ParityFixtures*:-*DemoShape*'
+cache_filter='KVCacheTest/0.*'
+for cpu in Nehalem:portable Haswell:avx2; do
+  model=${cpu%%:*}
+  path=${cpu##*:}
+  echo "emulated.sh: x86-64 -cpu $model (expects the $path path)"
+  export SDPA_EXPECT_ISA=$path
+  qemu-x86_64 -cpu "$model" "$x86/tests/core_tests" --gtest_brief=1 --gtest_filter="$core_filter"
+  qemu-x86_64 -cpu "$model" "$x86/tests/module_tests" --gtest_brief=1 --gtest_filter="$module_filter"
+  qemu-x86_64 -cpu "$model" "$x86/tests/kv_cache_test" --gtest_brief=1 --gtest_filter="$cache_filter"
+  unset SDPA_EXPECT_ISA
+done
+echo "emulated.sh: the ODR test under -cpu Haswell"
+qemu-x86_64 -cpu Haswell "$x86/tests/odr_test" avx2
+
+# 3. ARM64.
+arm="$work/aarch64"
+gtest="$work/gtest-aarch64"
+if [ ! -f "$gtest/.complete" ]; then
+  echo "emulated.sh: building GoogleTest for aarch64 from /usr/src/googletest"
+  cmake -S /usr/src/googletest -B "$work/gtest-build-aarch64" -DCMAKE_TOOLCHAIN_FILE="$root/cmake/aarch64-linux-gnu.cmake" \
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$gtest" -DBUILD_GMOCK=OFF >/dev/null
+  cmake --build "$work/gtest-build-aarch64" -j "$jobs" >/dev/null
+  cmake --install "$work/gtest-build-aarch64" >/dev/null
+  touch "$gtest/.complete"
+fi
+cmake -S "$root" -B "$arm" -DCMAKE_TOOLCHAIN_FILE="$root/cmake/aarch64-linux-gnu.cmake" -DCMAKE_BUILD_TYPE=Release \
+  -DGTest_DIR="$gtest/lib/cmake/GTest" -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF -DSDPA_IO=OFF \
+  -DSDPA_ONEDNN=OFF >/dev/null
+cmake --build "$arm" -j "$jobs" --target module_tests kv_cache_test backward_test
+echo "emulated.sh: ARM64 under qemu-aarch64"
+export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
+export SDPA_EXPECT_ISA=portable
+qemu-aarch64 "$arm/tests/module_tests" --gtest_brief=1 --gtest_filter='ModuleTest*:OptionsTest*:ParityFixtures*:TrainingTest*'
+qemu-aarch64 "$arm/tests/kv_cache_test" --gtest_brief=1
+qemu-aarch64 "$arm/tests/backward_test" --gtest_brief=1 --gtest_filter='BackwardTest/0.*'
+echo "emulated.sh: all passed"
