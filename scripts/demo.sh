@@ -6,6 +6,6 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 . "$root/scripts/deps.sh"
 sdpa_install_missing g++ make cmake libeigen3-dev
 build=${SDPA_BUILD_DIR:-$root/build}
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSDPA_BUILD_TESTS=OFF -DSDPA_BUILD_EXAMPLES=ON -DSDPA_NATIVE=ON >/dev/null
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSDPA_BUILD_TESTS=OFF -DSDPA_BUILD_EXAMPLES=ON -DSDPA_NATIVE=OFF >/dev/null
 cmake --build "$build" --target demo -j "$(nproc)"
 "$build/examples/demo"

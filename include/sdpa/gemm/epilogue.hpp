@@ -31,27 +31,12 @@ struct RowsInPlace {
   void step() noexcept { ++a; }
 };
 
-// Lines a micro-kernel brings to L2 while it runs, one per k step: the next packed A sliver (width
-// values from base), 64 bytes at a time. width = 0 prefetches nothing.
+// Lines a micro-kernel brings to L2 while it runs, one per k step: `rows` segments of `width` values, ld
+// apart, 64 bytes at a time (the next packed A sliver: one segment of mr * kc values; the next row of tiles'
+// A rows in place: mr segments of kc). The default prefetches nothing (A in place that the caller has just
+// written). One type for every case, so that each micro-kernel is compiled once per A source.
 template <typename Scalar>
 struct LinePrefetch {
-  static constexpr Eigen::Index kLine = 64 / static_cast<Eigen::Index>(sizeof(Scalar));
-  const Scalar* base = nullptr;
-  Eigen::Index width = 0;
-  Eigen::Index done = 0;
-  // The line to fetch at this step, or null once all are.
-  const Scalar* next() noexcept {
-    if (done >= width) return nullptr;
-    const Scalar* line = base + done;
-    done += kLine;
-    return line;
-  }
-};
-
-// The same for rows of A in place: the next row of tiles' `rows` row segments of `width` values (leading
-// dimension ld), line by line, one line per k step.
-template <typename Scalar>
-struct RowLinesPrefetch {
   static constexpr Eigen::Index kLine = 64 / static_cast<Eigen::Index>(sizeof(Scalar));
   const Scalar* base = nullptr;
   Eigen::Index ld = 0;
@@ -59,6 +44,7 @@ struct RowLinesPrefetch {
   Eigen::Index width = 0;
   Eigen::Index row = 0;
   Eigen::Index done = 0;
+  // The line to fetch at this step, or null once all are.
   const Scalar* next() noexcept {
     if (row >= rows) return nullptr;
     const Scalar* line = base + row * ld + done;
@@ -69,11 +55,6 @@ struct RowLinesPrefetch {
     }
     return line;
   }
-};
-
-// For tiles whose next A is not worth fetching (A in place, which the caller has just written).
-struct NoPrefetch {
-  static constexpr const void* next() noexcept { return nullptr; }
 };
 
 template <typename Scalar>
