@@ -26,6 +26,7 @@ struct Gradients {
   LinearGradients<Scalar> fc_q, fc_k, fc_v, fc_o;
   // The given tensors' shapes (broadcast dimensions summed); empty when not given.
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor> attention_weights, attention_bias;
+  std::vector<Scalar> sinks;  // one per query head when the call had sinks, else empty
 
   // The parameter gradients by state_dict name, in the module's order ("fc_q.weight", "fc_q.bias", ...).
   std::vector<ParameterRef<Scalar>> named_parameters() {

@@ -28,10 +28,11 @@ class KVCache {
   using Index = Eigen::Index;
   using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
 
-  // An empty cache for `batch` sequences of `module` (any module with the same d_model, h, d_k and d_v can
-  // use it), with room for `capacity` entries per sequence.
+  // An empty cache for `batch` sequences of `module` (any module with the same d_model, kv_heads, d_k and
+  // d_v can use it), with room for `capacity` entries per sequence. It holds the module's kv_heads
+  // key/value heads (grouped-query attention: h / kv_heads times less than h heads would).
   KVCache(const ScaledDotProductAttention<Scalar>& module, Index batch, Index capacity = 0)
-      : d_model_(module.d_model()), h_(module.h()), d_k_(module.d_k()), d_v_(module.d_v()),
+      : d_model_(module.d_model()), kv_heads_(module.kv_heads()), d_k_(module.d_k()), d_v_(module.d_v()),
         batch_(checked_nonnegative("KVCache", "batch", batch)) {
     checked_nonnegative("KVCache", "capacity", capacity);
     reserve(capacity);
@@ -44,7 +45,7 @@ class KVCache {
   Index first_position() const noexcept { return position_ - size_; }  // position of held entry 0
 
   Index d_model() const noexcept { return d_model_; }
-  Index h() const noexcept { return h_; }
+  Index kv_heads() const noexcept { return kv_heads_; }
   Index d_k() const noexcept { return d_k_; }
   Index d_v() const noexcept { return d_v_; }
 
@@ -52,10 +53,10 @@ class KVCache {
   void reserve(Index capacity) {
     checked_nonnegative("KVCache::reserve", "capacity", capacity);
     if (capacity <= capacity_) return;
-    if (batch_ > 0 && capacity > std::numeric_limits<Index>::max() / batch_ / std::max(h_ * d_k_, h_ * d_v_))
+    if (batch_ > 0 && capacity > std::numeric_limits<Index>::max() / batch_ / std::max(kv_heads_ * d_k_, kv_heads_ * d_v_))
       detail::throw_invalid("KVCache::reserve", "capacity", "representable as a number of elements", capacity);
-    detail::Buffer<Scalar> keys(static_cast<std::size_t>(batch_ * capacity * h_ * d_k_));
-    detail::Buffer<Scalar> values(static_cast<std::size_t>(batch_ * capacity * h_ * d_v_));
+    detail::Buffer<Scalar> keys(static_cast<std::size_t>(batch_ * capacity * kv_heads_ * d_k_));
+    detail::Buffer<Scalar> values(static_cast<std::size_t>(batch_ * capacity * kv_heads_ * d_v_));
     copy_entries(keys.data(), values.data(), capacity, keys_.data(), values_.data(), capacity_, size_);
     keys_ = std::move(keys);
     values_ = std::move(values);
@@ -84,9 +85,9 @@ class KVCache {
         detail::throw_invalid("KVCache::reorder", detail::concat("rows[", i, "]"), detail::concat("in [0, ", batch_, ")"),
                               rows[i]);
     const Index batch = static_cast<Index>(rows.size());
-    detail::Buffer<Scalar> keys(static_cast<std::size_t>(batch * capacity_ * h_ * d_k_));
-    detail::Buffer<Scalar> values(static_cast<std::size_t>(batch * capacity_ * h_ * d_v_));
-    const Index hk = h_ * d_k_, hv = h_ * d_v_;
+    detail::Buffer<Scalar> keys(static_cast<std::size_t>(batch * capacity_ * kv_heads_ * d_k_));
+    detail::Buffer<Scalar> values(static_cast<std::size_t>(batch * capacity_ * kv_heads_ * d_v_));
+    const Index hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
     for (Index i = 0; i < batch; ++i) {
       const Index from = rows[static_cast<std::size_t>(i)];
       std::copy_n(keys_.data() + from * capacity_ * hk, size_ * hk, keys.data() + i * capacity_ * hk);
@@ -97,19 +98,19 @@ class KVCache {
     batch_ = batch;
   }
 
-  // The held entries: (batch, size, h * d_k) projected keys and (batch, size, h * d_v) values, features
-  // head-major as fc_k and fc_v give them.
-  Tensor3 keys() const { return held(keys_.data(), h_ * d_k_); }
-  Tensor3 values() const { return held(values_.data(), h_ * d_v_); }
+  // The held entries: (batch, size, kv_heads * d_k) projected keys (rotated, when the module has a rotary)
+  // and (batch, size, kv_heads * d_v) values, features head-major as fc_k and fc_v give them.
+  Tensor3 keys() const { return held(keys_.data(), kv_heads_ * d_k_); }
+  Tensor3 values() const { return held(values_.data(), kv_heads_ * d_v_); }
 
-  // Replaces the content (a saved cache being loaded): keys (batch, n, h * d_k) and values (batch, n,
-  // h * d_v) become the entries of positions position - n .. position - 1; the batch follows keys.
+  // Replaces the content (a saved cache being loaded): keys (batch, n, kv_heads * d_k) and values (batch, n,
+  // kv_heads * d_v) become the entries of positions position - n .. position - 1; the batch follows keys.
   void assign(const Tensor3& keys, const Tensor3& values, Index position) {
     const char* where = "KVCache::assign";
-    if (keys.dimension(2) != h_ * d_k_)
-      detail::throw_invalid(where, "keys dimension 2 (h * d_k)", h_ * d_k_, keys.dimension(2));
-    if (values.dimension(2) != h_ * d_v_)
-      detail::throw_invalid(where, "values dimension 2 (h * d_v)", h_ * d_v_, values.dimension(2));
+    if (keys.dimension(2) != kv_heads_ * d_k_)
+      detail::throw_invalid(where, "keys dimension 2 (kv_heads * d_k)", kv_heads_ * d_k_, keys.dimension(2));
+    if (values.dimension(2) != kv_heads_ * d_v_)
+      detail::throw_invalid(where, "values dimension 2 (kv_heads * d_v)", kv_heads_ * d_v_, values.dimension(2));
     if (values.dimension(0) != keys.dimension(0) || values.dimension(1) != keys.dimension(1))
       detail::throw_invalid(where, "values dimensions 0 and 1", detail::concat("those of keys, (", keys.dimension(0), ", ",
                                                                                keys.dimension(1), ")"),
@@ -117,7 +118,7 @@ class KVCache {
     if (position < keys.dimension(1))
       detail::throw_invalid(where, "position", detail::concat("at least the number of entries, ", keys.dimension(1)), position);
     KVCache fresh(*this, keys.dimension(0), keys.dimension(1));
-    const Index n = keys.dimension(1), hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index n = keys.dimension(1), hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
     for (Index b = 0; b < fresh.batch_; ++b) {
       std::copy_n(keys.data() + b * n * hk, n * hk, fresh.keys_.data() + b * fresh.capacity_ * hk);
       std::copy_n(values.data() + b * n * hv, n * hv, fresh.values_.data() + b * fresh.capacity_ * hv);
@@ -130,7 +131,7 @@ class KVCache {
   void swap(KVCache& other) noexcept {
     using std::swap;
     swap(d_model_, other.d_model_);
-    swap(h_, other.h_);
+    swap(kv_heads_, other.kv_heads_);
     swap(d_k_, other.d_k_);
     swap(d_v_, other.d_v_);
     swap(batch_, other.batch_);
@@ -149,7 +150,7 @@ class KVCache {
 
   // An empty cache of this one's shape.
   KVCache(const KVCache& shape, Index batch, Index capacity)
-      : d_model_(shape.d_model_), h_(shape.h_), d_k_(shape.d_k_), d_v_(shape.d_v_), batch_(batch) {
+      : d_model_(shape.d_model_), kv_heads_(shape.kv_heads_), d_k_(shape.d_k_), d_v_(shape.d_v_), batch_(batch) {
     reserve(capacity);
   }
 
@@ -160,7 +161,7 @@ class KVCache {
 
   void copy_entries(Scalar* keys, Scalar* values, Index capacity, const Scalar* old_keys, const Scalar* old_values,
                     Index old_capacity, Index count) const {
-    const Index hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
     for (Index b = 0; b < batch_ && count > 0; ++b) {
       std::copy_n(old_keys + b * old_capacity * hk, count * hk, keys + b * capacity * hk);
       std::copy_n(old_values + b * old_capacity * hv, count * hv, values + b * capacity * hv);
@@ -182,7 +183,7 @@ class KVCache {
   void drop_front(Index count) {
     count = std::clamp<Index>(count, 0, size_);
     if (count == 0) return;
-    const Index hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
     for (Index b = 0; b < batch_; ++b) {
       Scalar* k = key_rows(b);
       Scalar* v = value_rows(b);
@@ -192,10 +193,10 @@ class KVCache {
     size_ -= count;
   }
 
-  Scalar* key_rows(Index b) noexcept { return keys_.data() + b * capacity_ * h_ * d_k_; }
-  Scalar* value_rows(Index b) noexcept { return values_.data() + b * capacity_ * h_ * d_v_; }
-  const Scalar* key_rows(Index b) const noexcept { return keys_.data() + b * capacity_ * h_ * d_k_; }
-  const Scalar* value_rows(Index b) const noexcept { return values_.data() + b * capacity_ * h_ * d_v_; }
+  Scalar* key_rows(Index b) noexcept { return keys_.data() + b * capacity_ * kv_heads_ * d_k_; }
+  Scalar* value_rows(Index b) noexcept { return values_.data() + b * capacity_ * kv_heads_ * d_v_; }
+  const Scalar* key_rows(Index b) const noexcept { return keys_.data() + b * capacity_ * kv_heads_ * d_k_; }
+  const Scalar* value_rows(Index b) const noexcept { return values_.data() + b * capacity_ * kv_heads_ * d_v_; }
 
   // Scratch of a step, grown to the largest step seen (count elements each).
   Scalar* scratch(detail::Buffer<Scalar>& buf, Index count) {
@@ -203,7 +204,7 @@ class KVCache {
     return buf.data();
   }
 
-  Index d_model_, h_, d_k_, d_v_;
+  Index d_model_, kv_heads_, d_k_, d_v_;
   Index batch_ = 0, capacity_ = 0, size_ = 0, position_ = 0;
   detail::Buffer<Scalar> keys_, values_;
   detail::Buffer<Scalar> q_scratch_, att_scratch_;

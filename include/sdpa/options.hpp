@@ -1,8 +1,8 @@
-// The options of one attention call, as the forward, the cached decoding step and the backward pass take
-// them: tensors that mask, multiply or add to the scores (each dimension 1 or full, broadcast without
-// copies), the variants that need no tensor at all (causal, sliding windows, key lengths, ALiBi), where the
-// probabilities go when a caller wants to see them, and the thread pool. Also the masked-row policy and the
-// ALiBi paper's slopes.
+// The options of one attention call, as the forward, the cached decoding step, the backward pass and
+// sdpa::attention take them: tensors that mask, multiply or add to the scores (each dimension 1 or full,
+// broadcast without copies), the variants that need no tensor at all (causal, sliding windows, key
+// lengths, ALiBi, a scale, softcapping, sinks), where the probabilities go when a caller wants to see them,
+// and the thread pool. Also the masked-row policy, the kernel choice and the ALiBi paper's slopes.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -10,6 +10,7 @@
 #include "sdpa/detail/eigen.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "sdpa/error.hpp"
@@ -21,15 +22,29 @@ SDPA_NAMESPACE_BEGIN
 // over -inf gives.
 enum class MaskedRows { kZero, kNaN };
 
-// Per score of (batch b, head h, query q, key k), with q' = q + (nk - nq) the query's position among the
-// keys (lower-right alignment: FlashAttention 2, PyTorch's causal_lower_right; with a key/value cache,
-// absolute positions):
-//   s = (q . k) / sqrt(d_k);  s *= attention_weights;  s += attention_bias;  s -= alibi_slopes[h] * |q' - k|;
-//   s = -inf where attention_mask, causal, the window or key_lengths hides k;  p = softmax(s);
-//   probabilities = p;  p = dropout(p) in training mode;  out = p v.
+// Which attention kernel a call runs: kAuto is the tiled kernel, or the decoding kernel for a few queries
+// (16 or fewer); kTiled forces the tiled kernel (also for a decoding step); kReference is the plain path
+// the others are tested against (it holds a whole row of scores per query and is several times slower).
+enum class Kernel { kAuto, kTiled, kReference };
+
+// How sdpa::attention's head tensors are laid out: PyTorch's (batch, heads, seq, dim), as
+// F.scaled_dot_product_attention takes them, or FlashAttention's (batch, seq, heads, dim).
+enum class Layout { kBHND, kBNHD };
+
+struct Rotary;  // sdpa/rotary.hpp
+
+// Per score of (batch b, query head i, query q, key k), with j = i / (h / kv_heads) the key/value head it
+// reads and q' = q + (nk - nq) the query's position among the keys (lower-right alignment: FlashAttention
+// 2, PyTorch's causal_lower_right; with a key/value cache, absolute positions):
+//   q_i and k_j rotated at positions q' and k (a module's rotary, or `rotary` for sdpa::attention);
+//   s = scale * q_i . k_j (scale 1 / sqrt(d_k) unless given);  s *= attention_weights;
+//   s = softcap * tanh(s / softcap) when softcap > 0;  s += attention_bias;  s -= alibi_slopes[i] * |q' - k|;
+//   s = -inf where attention_mask, causal, the window or key_lengths hides k;
+//   p = softmax over the visible keys and, when given, one extra logit sinks[i] whose value is zero;
+//   probabilities = p (they sum to less than 1 with a sink);  p = dropout(p) in training mode;  out = p v.
 // Windows do not imply causal (a decoder's sliding window is causal = true, window_left = W - 1) and each
-// applies on its own side. A row whose every key is hidden follows the module's MaskedRows policy, in the
-// output and in `probabilities`.
+// applies on its own side. A row whose every key is hidden follows the MaskedRows policy, in the output
+// and in `probabilities`; with a sink it puts all its weight on the sink instead (output 0).
 template <typename Scalar>
 struct AttentionOptions {
   const Eigen::Tensor<bool, 4, Eigen::RowMajor>* attention_mask = nullptr;       // true = hidden
@@ -39,9 +54,22 @@ struct AttentionOptions {
   Eigen::Index window_left = -1;      // >= 0: key k hidden when k < q' - window_left
   Eigen::Index window_right = -1;     // >= 0: key k hidden when k > q' + window_right
   std::vector<Eigen::Index> key_lengths;  // empty, or one per batch entry: keys k >= key_lengths[b] hidden
-  std::vector<Scalar> alibi_slopes;       // empty, or one per head: adds -slope[h] * |q' - k|
+  std::vector<Scalar> alibi_slopes;       // empty, or one per query head: adds -slope[i] * |q' - k|
+  Scalar scale = Scalar(0);               // > 0: replaces 1 / sqrt(d_k)
+  Scalar softcap = Scalar(0);             // > 0: s = softcap * tanh(s / softcap) (Gemma 2)
+  std::vector<Scalar> sinks;              // empty, or one logit per query head (gpt-oss)
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor>* probabilities = nullptr;  // set: resized to (b, h, nq, nk), filled
   const Eigen::ThreadPoolDevice* device = nullptr;                    // nullptr: the calling thread
+
+  // sdpa::attention only. A module's calls refuse values other than these defaults: the module has its
+  // own (set_masked_rows, set_kernel, its dropout and train()/eval(), set_rotary), and its inputs have one
+  // layout.
+  Layout layout = Layout::kBHND;
+  MaskedRows masked_rows = MaskedRows::kZero;
+  Kernel kernel = Kernel::kAuto;
+  Scalar dropout = Scalar(0);         // probability; the mask is drawn from dropout_seed (Philox)
+  std::uint64_t dropout_seed = 0;
+  const Rotary* rotary = nullptr;     // rotates q (at q') and k (at k) before the scores
 };
 
 // The slopes of ALiBi (Press, Smith and Lewis, "Train Short, Test Long", ICLR 2022), as the paper's

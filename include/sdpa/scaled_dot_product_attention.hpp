@@ -1,7 +1,9 @@
 // sdpa::ScaledDotProductAttention, the multi-head attention module of External-Attention-pytorch: four
 // projections (fc_q, fc_k, fc_v, fc_o), heads split head-major, softmax(q k^T / sqrt(d_k) * weights,
-// masked) with dropout, heads merged, fc_o. This header owns the parameters, the train/eval state and the
-// argument checks, and hands the attention core to a kernel in kernels/.
+// masked) with dropout, heads merged, fc_o; with grouped-query heads (kv_heads < h: fc_k and fc_v project
+// to kv_heads heads) and a rotary position embedding when set. This header owns the parameters, the
+// train/eval state and the checks of its own inputs; the attention core, its option checks and the kernel
+// choice are sdpa/attention.hpp's, shared with sdpa::attention.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -15,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "sdpa/attention.hpp"
 #include "sdpa/detail/buffer.hpp"
 #include "sdpa/detail/inputs.hpp"
 #include "sdpa/detail/scratch_pool.hpp"
@@ -34,12 +37,9 @@
 #include "sdpa/parameter.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"
+#include "sdpa/rotary.hpp"
 
 SDPA_NAMESPACE_BEGIN
-
-// Which attention core forward() runs: kAuto is the tiled kernel; kReference is the plain path the tiled
-// kernel is tested against (it holds a whole row of scores per query and is several times slower).
-enum class Kernel { kAuto, kTiled, kReference };
 
 template <typename Scalar>
 class KVCache;  // sdpa/kv_cache.hpp
@@ -64,19 +64,23 @@ class ScaledDotProductAttention {
   using Weights = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>;
   using LinearType = Linear<Scalar>;
 
-  ScaledDotProductAttention(Index d_model, Index d_k, Index d_v, Index h, Scalar dropout = Scalar(0.1))
+  // kv_heads: the key/value heads fc_k and fc_v project to (grouped-query attention; query head i reads
+  // key/value head i / (h / kv_heads)); 0 means h (multi-head attention), 1 multi-query attention.
+  ScaledDotProductAttention(Index d_model, Index d_k, Index d_v, Index h, Scalar dropout = Scalar(0.1),
+                            Index kv_heads = 0)
       : d_model_(checked_size("d_model", d_model)),
         d_k_(checked_size("d_k", d_k)),
         d_v_(checked_size("d_v", d_v)),
         h_(checked_size("h", h)),
+        kv_heads_(checked_kv_heads(kv_heads, h)),
         dropout_(checked_dropout(dropout)),
         seed_(next_seed()),
         id_(detail::next_module_id()),
         fc_q_(d_model, checked_product("d_model * h * d_k (weight count of fc_q)", d_model,
                                        checked_product("h * d_k", h, d_k)) / d_model),
-        fc_k_(d_model, h * d_k),
+        fc_k_(d_model, kv_heads_ * d_k),
         fc_v_(d_model, checked_product("d_model * h * d_v (weight count of fc_v)", d_model,
-                                       checked_product("h * d_v", h, d_v)) / d_model),
+                                       checked_product("h * d_v", h, d_v)) / d_model / h * kv_heads_),  // kv * d_v
         fc_o_(h * d_v, d_model) {
     init_weights();
   }
@@ -85,10 +89,10 @@ class ScaledDotProductAttention {
   // sequence (sdpa::next_seed), as a deep copy in PyTorch draws from the global generator: it does not
   // replay the original's dropout masks. Call manual_seed on both for identical masks.
   ScaledDotProductAttention(const ScaledDotProductAttention& other)
-      : d_model_(other.d_model_), d_k_(other.d_k_), d_v_(other.d_v_), h_(other.h_), dropout_(other.dropout_),
-        training_(other.training_), masked_rows_(other.masked_rows_), kernel_(other.kernel_),
-        seed_(next_seed()), calls_(0), id_(detail::next_module_id()),
-        fc_q_(other.fc_q_), fc_k_(other.fc_k_), fc_v_(other.fc_v_), fc_o_(other.fc_o_) {}
+      : d_model_(other.d_model_), d_k_(other.d_k_), d_v_(other.d_v_), h_(other.h_), kv_heads_(other.kv_heads_),
+        dropout_(other.dropout_), training_(other.training_), masked_rows_(other.masked_rows_), kernel_(other.kernel_),
+        rotary_(other.rotary_), has_rotary_(other.has_rotary_), seed_(next_seed()), calls_(0),
+        id_(detail::next_module_id()), fc_q_(other.fc_q_), fc_k_(other.fc_k_), fc_v_(other.fc_v_), fc_o_(other.fc_o_) {}
   ScaledDotProductAttention& operator=(const ScaledDotProductAttention& other) {
     if (this != &other) {
       ScaledDotProductAttention copy(other);
@@ -99,7 +103,7 @@ class ScaledDotProductAttention {
   // A move keeps the seed and the dropout call count: it is the same module in a new place. It draws
   // nothing from the process-wide sequence.
   ScaledDotProductAttention(ScaledDotProductAttention&& other) noexcept
-      : d_model_(1), d_k_(1), d_v_(1), h_(1), dropout_(0), seed_(0), id_(0),
+      : d_model_(1), d_k_(1), d_v_(1), h_(1), kv_heads_(1), dropout_(0), seed_(0), id_(0),
         fc_q_(1, 1), fc_k_(1, 1), fc_v_(1, 1), fc_o_(1, 1) {
     swap(other);
   }
@@ -283,8 +287,22 @@ class ScaledDotProductAttention {
   void set_masked_rows(MaskedRows policy) noexcept { masked_rows_ = policy; }
   MaskedRows masked_rows() const noexcept { return masked_rows_; }
 
+  // Which attention kernel the calls run (options.hpp's Kernel): kAuto, kTiled (also for decoding steps),
+  // kReference; the backward runs the tiled backward unless kReference.
   void set_kernel(Kernel kernel) noexcept { kernel_ = kernel; }
   Kernel kernel() const noexcept { return kernel_; }
+
+  // The rotary position embedding of the model's queries and keys (sdpa/rotary.hpp): every call rotates
+  // its queries and keys at their positions (keys once, when a cache receives them). A cache filled
+  // before set_rotary or clear_rotary holds keys rotated the old way. Refused (std::invalid_argument)
+  // when it does not fit d_k.
+  void set_rotary(const Rotary& rotary) {
+    detail::check_rotary("ScaledDotProductAttention::set_rotary", rotary, d_k_);
+    rotary_ = rotary;
+    has_rotary_ = true;
+  }
+  void clear_rotary() noexcept { has_rotary_ = false; }
+  const Rotary* rotary() const noexcept { return has_rotary_ ? &rotary_ : nullptr; }
 
   Scalar dropout() const noexcept { return dropout_; }
   void set_dropout(Scalar p) { dropout_ = checked_dropout(p); }
@@ -300,6 +318,7 @@ class ScaledDotProductAttention {
   Index d_k() const noexcept { return d_k_; }
   Index d_v() const noexcept { return d_v_; }
   Index h() const noexcept { return h_; }
+  Index kv_heads() const noexcept { return kv_heads_; }
 
   LinearType& fc_q() noexcept { return fc_q_; }
   LinearType& fc_k() noexcept { return fc_k_; }
@@ -323,6 +342,9 @@ class ScaledDotProductAttention {
     swap(d_k_, other.d_k_);
     swap(d_v_, other.d_v_);
     swap(h_, other.h_);
+    swap(kv_heads_, other.kv_heads_);
+    swap(rotary_, other.rotary_);
+    swap(has_rotary_, other.has_rotary_);
     swap(dropout_, other.dropout_);
     swap(training_, other.training_);
     swap(masked_rows_, other.masked_rows_);
@@ -352,6 +374,14 @@ class ScaledDotProductAttention {
       detail::throw_invalid("ScaledDotProductAttention", name, "representable as Eigen::Index",
                             detail::concat(a, " * ", b));
     return a * b;
+  }
+
+  static Index checked_kv_heads(Index kv_heads, Index h) {
+    if (kv_heads == 0) return h;
+    if (kv_heads < 0 || kv_heads > h || h % kv_heads != 0)
+      detail::throw_invalid("ScaledDotProductAttention", "kv_heads",
+                            detail::concat("0 (as many as h) or a divisor of h = ", h), kv_heads);
+    return kv_heads;
   }
 
   static Scalar checked_dropout(Scalar p) {
@@ -416,7 +446,7 @@ class ScaledDotProductAttention {
   // hold q | k | v side by side; the kernel reads each head in place through the row strides.
   struct Projected {
     detail::Buffer<Scalar> qkv, kv_only;
-    const Scalar *q = nullptr, *k = nullptr, *v = nullptr;
+    Scalar *q = nullptr, *k = nullptr, *v = nullptr;
     Index ldq = 0, ldk = 0, ldv = 0;
   };
 
@@ -425,7 +455,7 @@ class ScaledDotProductAttention {
   Projected project(const View& qv, const View& kv, const View& vv, const Eigen::ThreadPoolDevice* device,
                     const Index* key_lengths) const {
     using Target = kernels::ProjectionTarget<Scalar>;
-    const Index hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
     const Index batch = qv.dims()[0], nk = kv.dims()[1];
     const Index rows_q = qv.dims()[0] * qv.dims()[1], rows_k = kv.dims()[0] * kv.dims()[1];
     const bool kv_same = kv.data() == vv.data() && kv.dims() == vv.dims();
@@ -450,29 +480,29 @@ class ScaledDotProductAttention {
     };
     Projected r;
     if (qk_same) {
-      const Index ld = 2 * hk + hv;
+      const Index ld = hq + hk + hv;
       r.qkv = scratch_.take(static_cast<std::size_t>(rows_q * ld));
       Scalar* base = r.qkv.data();
-      const Target tq = target(fc_q_, base, ld), tk = target(fc_k_, base + hk, ld), tv = target(fc_v_, base + 2 * hk, ld);
+      const Target tq = target(fc_q_, base, ld), tk = target(fc_k_, base + hq, ld), tv = target(fc_v_, base + hq + hk, ld);
       if (key_lengths == nullptr) {
         pass(qv.data(), 0, rows_q, {tq, tk, tv});
       } else {
         for (Index b = 0; b < batch; ++b) {
           pass(qv.data(), b * nk, b * nk + key_lengths[b], {tq, tk, tv});
           pass(qv.data(), b * nk + key_lengths[b], (b + 1) * nk, {tq});
-          for (Index row = b * nk + key_lengths[b]; row < (b + 1) * nk; ++row) std::fill_n(base + row * ld + hk, hk + hv, Scalar(0));
+          for (Index row = b * nk + key_lengths[b]; row < (b + 1) * nk; ++row) std::fill_n(base + row * ld + hq, hk + hv, Scalar(0));
         }
       }
       r.q = base;
-      r.k = base + hk;
-      r.v = base + 2 * hk;
+      r.k = base + hq;
+      r.v = base + hq + hk;
       r.ldq = r.ldk = r.ldv = ld;
       return r;
     }
-    r.qkv = scratch_.take(static_cast<std::size_t>(rows_q * hk));
-    pass(qv.data(), 0, rows_q, {target(fc_q_, r.qkv.data(), hk)});
+    r.qkv = scratch_.take(static_cast<std::size_t>(rows_q * hq));
+    pass(qv.data(), 0, rows_q, {target(fc_q_, r.qkv.data(), hq)});
     r.q = r.qkv.data();
-    r.ldq = hk;
+    r.ldq = hq;
     if (rows_k == 0) return r;  // no keys: nothing to project, and no pointer into an empty buffer
     r.kv_only = scratch_.take(static_cast<std::size_t>(rows_k * (hk + hv)));
     Scalar* base = r.kv_only.data();
@@ -489,52 +519,27 @@ class ScaledDotProductAttention {
     return r;
   }
 
-  // Every option against the call's shape, before any work: std::invalid_argument naming the field.
-  void check_options(const AttentionOptions<Scalar>& o, Index batch, Index nk) const {
-    const char* where = "ScaledDotProductAttention::forward";
-    if (o.window_left < -1)
-      detail::throw_invalid(where, "window_left", "-1 (no window) or a non-negative number of keys", o.window_left);
-    if (o.window_right < -1)
-      detail::throw_invalid(where, "window_right", "-1 (no window) or a non-negative number of keys", o.window_right);
-    if (!o.key_lengths.empty()) {
-      if (static_cast<Index>(o.key_lengths.size()) != batch)
-        detail::throw_invalid(where, "key_lengths", detail::concat("empty or one length per batch entry (", batch, ")"),
-                              detail::concat(o.key_lengths.size(), " lengths"));
-      for (std::size_t b = 0; b < o.key_lengths.size(); ++b) {
-        if (o.key_lengths[b] < 0 || o.key_lengths[b] > nk)
-          detail::throw_invalid(where, detail::concat("key_lengths[", b, "]"), detail::concat("in [0, ", nk, "]"),
-                                o.key_lengths[b]);
-      }
-    }
-    if (!o.alibi_slopes.empty()) {
-      if (static_cast<Index>(o.alibi_slopes.size()) != h_)
-        detail::throw_invalid(where, "alibi_slopes", detail::concat("empty or one slope per head (", h_, ")"),
-                              detail::concat(o.alibi_slopes.size(), " slopes"));
-      for (std::size_t i = 0; i < o.alibi_slopes.size(); ++i) {
-        if (!std::isfinite(o.alibi_slopes[i]))
-          detail::throw_invalid(where, detail::concat("alibi_slopes[", i, "]"), "finite", o.alibi_slopes[i]);
-      }
-    }
+  // Rotates rows of projected queries (heads of h) or keys (kv_heads) in place, `n` rows per batch entry
+  // (batch_stride apart, row stride ld), row i at position first + i, with the module's rotary if it has
+  // one. inverse: the transpose, for gradients.
+  void rotate(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, Index heads, Index first,
+              bool inverse = false) const {
+    if (!has_rotary_ || x == nullptr) return;
+    for (Index b = 0; b < batch; ++b) apply_rotary(rotary_, x + b * batch_stride, n, ld, heads, d_k_, d_k_, first, inverse);
   }
 
-  // The sizes, scale, masked-row policy and tensor-free options of a problem with nq queries against nk keys
-  // (q' = q + nk - nq: lower-right alignment), shared by the forward, the cached step and the backward.
-  void fill_problem(kernels::AttentionProblem<Scalar>& p, Index batch, Index nq, Index nk,
-                    const AttentionOptions<Scalar>& options, bool causal) const {
-    p.batch = batch;
-    p.heads = h_;
-    p.nq = nq;
-    p.nk = nk;
-    p.d_k = d_k_;
-    p.d_v = d_v_;
-    p.scale = Scalar(1) / std::sqrt(static_cast<Scalar>(d_k_));
-    p.causal = causal;
-    p.window_left = options.window_left;
-    p.window_right = options.window_right;
-    p.key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
-    p.alibi = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
-    p.query_offset = nk - nq;
-    p.masked_rows = masked_rows_;
+  // The shape of a call with nq queries against nk keys, for the core's checks (where: the function called).
+  detail::CallShape call_shape(const char* where, Index batch, Index nq, Index nk) const noexcept {
+    detail::CallShape c;
+    c.where = where;
+    c.batch = batch;
+    c.heads = h_;
+    c.kv_heads = kv_heads_;
+    c.nq = nq;
+    c.nk = nk;
+    c.d_k = d_k_;
+    c.d_v = d_v_;
+    return c;
   }
 
   // In training mode with p > 0, this call's dropout: the module's next call index.
@@ -549,13 +554,8 @@ class ScaledDotProductAttention {
                        ForwardState<Scalar>* capture = nullptr) const {
     check_inputs(qv, kv, vv);
     const Index batch = qv.dims()[0], nq = qv.dims()[1], nk = kv.dims()[1];
-    const std::array<Index, 4> full{batch, h_, nq, nk};
-    const char* where = "ScaledDotProductAttention::forward";
-    kernels::AttentionProblem<Scalar> p;
-    p.mask = make_broadcast_view(options.attention_mask, full, where, "attention_mask");
-    p.weights = make_broadcast_view(options.attention_weights, full, where, "attention_weights");
-    p.bias = make_broadcast_view(options.attention_bias, full, where, "attention_bias");
-    check_options(options, batch, nk);
+    const detail::CallShape shape = call_shape("ScaledDotProductAttention::forward", batch, nq, nk);
+    detail::check_attention_options(shape, options, /*module_call=*/true);
     const Eigen::ThreadPoolDevice* device = options.device;
 
     // Checked: from here on nothing throws but an allocation failure.
@@ -567,14 +567,16 @@ class ScaledDotProductAttention {
 
     const Index hv = h_ * d_v_;
     Projected proj = project(qv, kv, vv, device, options.key_lengths.empty() ? nullptr : options.key_lengths.data());
+    // Queries at q' = q + nk - nq, keys at k.
+    rotate(proj.q, batch, nq * proj.ldq, nq, proj.ldq, h_, nk - nq);
+    rotate(proj.k, batch, nk * proj.ldk, nk, proj.ldk, kv_heads_, 0);
 
     detail::Buffer<Scalar> att = scratch_.take(static_cast<std::size_t>(batch * nq * hv));
-    fill_problem(p, batch, nq, nk, options, options.causal);
+    kernels::AttentionProblem<Scalar> p = detail::problem_of(shape, options, masked_rows_, options.causal, nk - nq);
     p.q = {proj.q, nq * proj.ldq, proj.ldq, d_k_};
     p.k = {proj.k, nk * proj.ldk, proj.ldk, d_k_};
     p.v = {proj.v, nk * proj.ldv, proj.ldv, d_v_};
     p.out = {att.data(), nq * hv, hv, d_v_};
-    p.probabilities = options.probabilities != nullptr ? options.probabilities->data() : nullptr;
     draw_dropout(p);
     if (capture != nullptr) {
       capture->lse_.resize(static_cast<std::size_t>(batch * h_ * nq));
@@ -583,10 +585,7 @@ class ScaledDotProductAttention {
       capture->sampler_ = p.sampler;
       capture->keep_scale_ = p.keep_scale;
     }
-    if (kernel_ == Kernel::kReference)
-      kernels::reference_attention(p, device);
-    else
-      kernels::tiled_attention(p, device);
+    detail::run_attention(p, kernel_, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), device);
 
     fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
     if (capture != nullptr) {
@@ -670,19 +669,18 @@ class ScaledDotProductAttention {
                              ": the state is empty: pass the state that forward(queries, keys, values, options, state) filled");
     if (s.module_id_ != id_)
       detail::throw_invalid(where, "state", "the state of a forward call of this module", "the state of another module");
-    const Index batch = s.batch_, nq = s.nq_, nk = s.nk_, hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index batch = s.batch_, nq = s.nq_, nk = s.nk_, hq = h_ * d_k_, hv = h_ * d_v_;
+    const Index kk = kv_heads_ * d_k_, kv = kv_heads_ * d_v_;
     const std::array<Index, 3> want{batch, nq, d_model_};
     for (std::size_t i = 0; i < 3; ++i)
       if (grad_output.dimension(i) != want[i])
         detail::throw_invalid(where, "grad_output", detail::concat("of the forward's output shape ", detail::shape_string(want)),
                               detail::concat("of shape ", detail::shape_string(grad_output.dimensions())));
     const AttentionOptions<Scalar>& options = s.options_;
-    const std::array<Index, 4> full{batch, h_, nq, nk};
-    kernels::AttentionProblem<Scalar> p;
     // The tensors must still have the shapes they had in the forward.
-    p.mask = make_broadcast_view(options.attention_mask, full, where, "attention_mask");
-    p.weights = make_broadcast_view(options.attention_weights, full, where, "attention_weights");
-    p.bias = make_broadcast_view(options.attention_bias, full, where, "attention_bias");
+    const detail::CallShape shape = call_shape(where, batch, nq, nk);
+    detail::check_attention_options(shape, options, /*module_call=*/true);
+    // The forward's device (its options), as the state recorded it.
     const Eigen::ThreadPoolDevice* device = options.device;
 
     Gradients<Scalar> g;
@@ -691,6 +689,7 @@ class ScaledDotProductAttention {
     const Tensor3& xv = s.kv_same_ ? xk : s.values_;
     if (options.attention_weights != nullptr) g.attention_weights = Weights(options.attention_weights->dimensions());
     if (options.attention_bias != nullptr) g.attention_bias = Weights(options.attention_bias->dimensions());
+    if (!options.sinks.empty()) g.sinks.assign(options.sinks.size(), Scalar(0));
     const Index rows_q = batch * nq, rows_k = batch * nk;
     if (rows_q == 0 || rows_k == 0) {
       g.queries = Tensor3(batch, nq, d_model_);
@@ -728,7 +727,7 @@ class ScaledDotProductAttention {
     linear_backward(fc_o_, grad_output.data(), d_model_, s.att_.data(), rows_q, g.fc_o, d_att.data(), device);
 
     // The attention core.
-    fill_problem(p, batch, nq, nk, options, options.causal);
+    kernels::AttentionProblem<Scalar> p = detail::problem_of(shape, options, masked_rows_, options.causal, nk - nq);
     p.q = {s.q_, nq * s.ldq_, s.ldq_, d_k_};
     p.k = {s.k_, nk * s.ldk_, s.ldk_, d_k_};
     p.v = {s.v_, nk * s.ldv_, s.ldv_, d_v_};
@@ -737,14 +736,15 @@ class ScaledDotProductAttention {
     p.dropout = s.dropout_;
     p.sampler = s.sampler_;
     p.keep_scale = s.keep_scale_;
-    detail::Buffer<Scalar> dq(static_cast<std::size_t>(rows_q * hk)), dk(static_cast<std::size_t>(rows_k * hk)),
-        dv(static_cast<std::size_t>(rows_k * hv));
+    detail::Buffer<Scalar> dq(static_cast<std::size_t>(rows_q * hq)), dk(static_cast<std::size_t>(rows_k * kk)),
+        dv(static_cast<std::size_t>(rows_k * kv));
     kernels::BackwardProblem<Scalar> bp;
     bp.forward = &p;
     bp.d_out = {d_att.data(), nq * hv, hv, d_v_};
-    bp.d_q = {dq.data(), nq * hk, hk, d_k_};
-    bp.d_k = {dk.data(), nk * hk, hk, d_k_};
-    bp.d_v = {dv.data(), nk * hv, hv, d_v_};
+    bp.d_q = {dq.data(), nq * hq, hq, d_k_};
+    bp.d_k = {dk.data(), nk * kk, kk, d_k_};
+    bp.d_v = {dv.data(), nk * kv, kv, d_v_};
+    if (p.sinks != nullptr) bp.d_sinks = g.sinks.data();
     if (p.weights) {
       bp.d_weights = g.attention_weights.data();
       for (std::size_t i = 0; i < 4; ++i) bp.weights_dims[i] = g.attention_weights.dimension(i);
@@ -753,10 +753,10 @@ class ScaledDotProductAttention {
       bp.d_bias = g.attention_bias.data();
       for (std::size_t i = 0; i < 4; ++i) bp.bias_dims[i] = g.attention_bias.dimension(i);
     }
-    if (kernel_ == Kernel::kReference)
-      kernels::reference_backward(bp, device);
-    else
-      kernels::tiled_backward(bp, device);
+    detail::run_attention_backward(bp, kernel_, device);
+    // The gradients of the rotated queries and keys, rotated back: those of the projections' outputs.
+    rotate(dq.data(), batch, nq * hq, nq, hq, h_, nk - nq, /*inverse=*/true);
+    rotate(dk.data(), batch, nk * kk, nk, kk, kv_heads_, 0, /*inverse=*/true);
 
     d_att = detail::Buffer<Scalar>();  // scratch is released as soon as it is used up: peak memory
     g.queries = Tensor3(batch, nq, d_model_);
@@ -764,21 +764,23 @@ class ScaledDotProductAttention {
     g.values = Tensor3(batch, nk, d_model_);
 
     // The projections.
-    linear_backward(fc_q_, dq.data(), hk, xq.data(), rows_q, g.fc_q, g.queries.data(), device);
+    linear_backward(fc_q_, dq.data(), hq, xq.data(), rows_q, g.fc_q, g.queries.data(), device);
     dq = detail::Buffer<Scalar>();
-    linear_backward(fc_k_, dk.data(), hk, xk.data(), rows_k, g.fc_k, g.keys.data(), device);
+    linear_backward(fc_k_, dk.data(), kk, xk.data(), rows_k, g.fc_k, g.keys.data(), device);
     dk = detail::Buffer<Scalar>();
-    linear_backward(fc_v_, dv.data(), hv, xv.data(), rows_k, g.fc_v, g.values.data(), device);
+    linear_backward(fc_v_, dv.data(), kv, xv.data(), rows_k, g.fc_v, g.values.data(), device);
     return g;
   }
 
   // ---- decoding internals ----
 
   void check_cache(const KVCache<Scalar>& cache, const char* where) const {
-    if (cache.d_model() != d_model_ || cache.h() != h_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
-      detail::throw_invalid(where, "cache", detail::concat("a cache for d_model ", d_model_, ", h ", h_, ", d_k ", d_k_, ", d_v ", d_v_),
-                            detail::concat("one for d_model ", cache.d_model(), ", h ", cache.h(), ", d_k ", cache.d_k(),
-                                           ", d_v ", cache.d_v()));
+    if (cache.d_model() != d_model_ || cache.kv_heads() != kv_heads_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
+      detail::throw_invalid(where, "cache",
+                            detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_,
+                                           ", d_v ", d_v_),
+                            detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ",
+                                           cache.d_k(), ", d_v ", cache.d_v()));
   }
 
   void check_decoding_input(const View& in, const char* name, Index batch, const char* where) const {
@@ -812,11 +814,12 @@ class ScaledDotProductAttention {
   }
 
   // Projects keys (and values) into the cache after its held entries, and queries into q_out (batch, n,
-  // h * d_k) when given (then kv is the step's input x, whose keys and values are itself).
+  // h * d_k) when given (then kv is the step's input x, whose keys and values are itself). With a rotary the
+  // new keys, and the queries, are rotated at their absolute positions position() .. position() + n - 1.
   void project_into_cache(const View& kv, const View& vv, KVCache<Scalar>& cache, const Eigen::ThreadPoolDevice* device,
                           Scalar* q_out) const {
     using Target = kernels::ProjectionTarget<Scalar>;
-    const Index batch = cache.batch(), n = kv.dims()[1], hk = h_ * d_k_, hv = h_ * d_v_;
+    const Index batch = cache.batch(), n = kv.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
     const Index at = cache.size_;
     const bool kv_same = kv.data() == vv.data() && kv.dims() == vv.dims();
     auto target = [](const LinearType& layer, Scalar* y, Index ldy, Index group_rows, Index group_stride) {
@@ -835,7 +838,7 @@ class ScaledDotProductAttention {
       // cache's entries of b (group stride: one sequence's capacity).
       Target targets[3];
       std::size_t count = 0;
-      if (q_out != nullptr) targets[count++] = target(fc_q_, q_out, hk, 0, 0);
+      if (q_out != nullptr) targets[count++] = target(fc_q_, q_out, hq, 0, 0);
       targets[count++] = target(fc_k_, cache.key_rows(0) + at * hk, hk, n, cache.capacity_ * hk);
       if (kv_same) targets[count++] = target(fc_v_, cache.value_rows(0) + at * hv, hv, n, cache.capacity_ * hv);
       kernels::project_few_rows<Scalar>(kv.data(), batch * n, d_model_, d_model_, targets, count, device);
@@ -846,7 +849,7 @@ class ScaledDotProductAttention {
     } else {
       for (Index b = 0; b < batch; ++b) {
         std::vector<Target> targets;
-        if (q_out != nullptr) targets.push_back(target(fc_q_, q_out + b * n * hk, hk, 0, 0));
+        if (q_out != nullptr) targets.push_back(target(fc_q_, q_out + b * n * hq, hq, 0, 0));
         targets.push_back(target(fc_k_, cache.key_rows(b) + at * hk, hk, 0, 0));
         if (kv_same) targets.push_back(target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0));
         kernels::project_rows<Scalar>(kv.data() + b * n * d_model_, n, d_model_, targets, device);
@@ -855,33 +858,27 @@ class ScaledDotProductAttention {
                                         {target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0)}, device);
       }
     }
+    rotate(cache.key_rows(0) + at * hk, batch, cache.capacity_ * hk, n, hk, kv_heads_, cache.position_);
+    rotate(q_out, batch, n * hq, n, hq, h_, cache.position_);
     cache.size_ += n;
     cache.position_ += n;
   }
 
-  // The attention of projected queries q (batch, nq, h * d_k) to the cache's entries, then fc_o into out.
+  // The attention of projected (and rotated) queries q (batch, nq, h * d_k) to the cache's entries, then
+  // fc_o into out.
   void attend_projected(const Scalar* q, Index nq, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options,
                         bool causal, Scalar* att, kernels::DecodeWorkspace<Scalar>& workspace, Scalar* out,
                         const char* where) const {
-    const Index batch = cache.batch(), nk = cache.size(), hk = h_ * d_k_, hv = h_ * d_v_;
-    const std::array<Index, 4> full{batch, h_, nq, nk};
-    kernels::AttentionProblem<Scalar> p;
-    p.mask = make_broadcast_view(options.attention_mask, full, where, "attention_mask");
-    p.weights = make_broadcast_view(options.attention_weights, full, where, "attention_weights");
-    p.bias = make_broadcast_view(options.attention_bias, full, where, "attention_bias");
-    fill_problem(p, batch, nq, nk, options, causal);
-    p.q = {q, nq * hk, hk, d_k_};
+    const Index batch = cache.batch(), nk = cache.size(), hq = h_ * d_k_, hv = h_ * d_v_;
+    const Index hk = kv_heads_ * d_k_, kv = kv_heads_ * d_v_;
+    kernels::AttentionProblem<Scalar> p =
+        detail::problem_of(call_shape(where, batch, nq, nk), options, masked_rows_, causal, nk - nq);
+    p.q = {q, nq * hq, hq, d_k_};
     p.k = {cache.key_rows(0), cache.capacity() * hk, hk, d_k_};
-    p.v = {cache.value_rows(0), cache.capacity() * hv, hv, d_v_};
+    p.v = {cache.value_rows(0), cache.capacity() * kv, kv, d_v_};
     p.out = {att, nq * hv, hv, d_v_};
-    p.probabilities = options.probabilities != nullptr ? options.probabilities->data() : nullptr;
     draw_dropout(p);
-    if (kernel_ == Kernel::kReference)
-      kernels::reference_attention(p, options.device);
-    else if (kernels::decode_suits(p))
-      kernels::decode_attention(p, workspace, options.device);
-    else
-      kernels::tiled_attention(p, options.device);
+    detail::run_attention(p, kernel_, &workspace, options.device);
     if (batch * nq <= 16) {
       const kernels::ProjectionTarget<Scalar> to{fc_o_.weight().data(), fc_o_.bias().data(), d_model_, out, d_model_};
       kernels::project_few_rows<Scalar>(att, batch * nq, hv, hv, &to, 1, options.device);
@@ -894,11 +891,7 @@ class ScaledDotProductAttention {
   // options, tensors' shapes, dropped entries.
   void check_decoding_options(const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Index nq, Index nk,
                               Index position, const char* where) const {
-    const std::array<Index, 4> full{cache.batch(), h_, nq, nk};
-    make_broadcast_view(options.attention_mask, full, where, "attention_mask");
-    make_broadcast_view(options.attention_weights, full, where, "attention_weights");
-    make_broadcast_view(options.attention_bias, full, where, "attention_bias");
-    check_options(options, cache.batch(), nk);
+    detail::check_attention_options(call_shape(where, cache.batch(), nq, nk), options, /*module_call=*/true);
     check_dropped(position - nk, position, options, nq, where);
   }
 
@@ -906,15 +899,16 @@ class ScaledDotProductAttention {
                    const typename Tensor3::Dimensions& out_dims, const char* where) const {
     check_cache(cache, where);
     check_decoding_input(q, "queries", cache.batch(), where);
-    const Index batch = cache.batch(), nq = q.dims()[1];
+    const Index batch = cache.batch(), nq = q.dims()[1], hq = h_ * d_k_;
     check_output({batch, nq, d_model_}, out_dims, where);
     check_decoding_options(cache, options, nq, cache.size(), cache.position(), where);
     if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, cache.size());
     if (batch * nq == 0) return;
-    detail::Buffer<Scalar> qbuf(static_cast<std::size_t>(batch * nq * h_ * d_k_));
+    detail::Buffer<Scalar> qbuf(static_cast<std::size_t>(batch * nq * hq));
     kernels::project_rows<Scalar>(q.data(), batch * nq, d_model_,
-                                  {{fc_q_.weight().data(), fc_q_.bias().data(), h_ * d_k_, qbuf.data(), h_ * d_k_}},
-                                  options.device);
+                                  {{fc_q_.weight().data(), fc_q_.bias().data(), hq, qbuf.data(), hq}}, options.device);
+    // The queries are the last nq positions.
+    rotate(qbuf.data(), batch, nq * hq, nq, hq, h_, cache.position() - nq);
     detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * h_ * d_v_));
     kernels::DecodeWorkspace<Scalar> workspace;
     attend_projected(qbuf.data(), nq, cache, options, options.causal, att.data(), workspace, out, where);
@@ -945,11 +939,13 @@ class ScaledDotProductAttention {
     }
   }
 
-  Index d_model_, d_k_, d_v_, h_;
+  Index d_model_, d_k_, d_v_, h_, kv_heads_;
   Scalar dropout_;
   bool training_ = true;
   MaskedRows masked_rows_ = MaskedRows::kZero;
   Kernel kernel_ = Kernel::kAuto;
+  Rotary rotary_;
+  bool has_rotary_ = false;
   std::uint64_t seed_;
   mutable std::atomic<std::uint64_t> calls_{0};
   std::uint64_t id_;  // which module a ForwardState came from (copies get their own, moves keep it)

@@ -1,7 +1,9 @@
-// The umbrella header of sdpa: PyTorch's multi-head ScaledDotProductAttention over Eigen tensors, with
-// its Linear layer, init strategies, masks and counter-based random numbers.
+// The umbrella header of sdpa: PyTorch's multi-head ScaledDotProductAttention over Eigen tensors, the
+// functional attention core under it (sdpa::attention), rotary embeddings, its Linear layer, init
+// strategies, masks, counter-based random numbers and the run-time choice of instruction set.
 #pragma once
 
+#include "sdpa/attention.hpp"
 #include "sdpa/cpu.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
@@ -14,5 +16,6 @@
 #include "sdpa/options.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"
+#include "sdpa/rotary.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
 #include "sdpa/version.hpp"

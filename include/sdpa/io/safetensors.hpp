@@ -612,7 +612,18 @@ std::vector<std::pair<std::string, long long>> shape_metadata(const Module& modu
   return {{prefix + "sdpa.d_model", static_cast<long long>(module.d_model())},
           {prefix + "sdpa.d_k", static_cast<long long>(module.d_k())},
           {prefix + "sdpa.d_v", static_cast<long long>(module.d_v())},
-          {prefix + "sdpa.h", static_cast<long long>(module.h())}};
+          {prefix + "sdpa.h", static_cast<long long>(module.h())},
+          {prefix + "sdpa.kv_heads", static_cast<long long>(module.kv_heads())}};
+}
+// A saved cache records the heads it holds (kv_heads), not the module's query heads.
+template <typename Scalar>
+struct CacheTensors;
+template <typename Scalar>
+std::vector<std::pair<std::string, long long>> shape_metadata(const CacheTensors<Scalar>& cache, const std::string& prefix) {
+  return {{prefix + "sdpa.d_model", static_cast<long long>(cache.d_model())},
+          {prefix + "sdpa.d_k", static_cast<long long>(cache.d_k())},
+          {prefix + "sdpa.d_v", static_cast<long long>(cache.d_v())},
+          {prefix + "sdpa.kv_heads", static_cast<long long>(cache.kv_heads())}};
 }
 }  // namespace safetensors
 }  // namespace detail
@@ -802,11 +813,11 @@ namespace safetensors {
 template <typename Scalar>
 struct CacheTensors {
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> keys, values;
-  Eigen::Index d_model_, d_k_, d_v_, h_;
+  Eigen::Index d_model_, d_k_, d_v_, kv_heads_;
   Eigen::Index d_model() const { return d_model_; }
   Eigen::Index d_k() const { return d_k_; }
   Eigen::Index d_v() const { return d_v_; }
-  Eigen::Index h() const { return h_; }
+  Eigen::Index kv_heads() const { return kv_heads_; }
   std::vector<ParameterRef<const Scalar>> named_parameters() const {
     return {{"kv_cache.keys", keys.data(), {keys.dimension(0), keys.dimension(1), keys.dimension(2)}},
             {"kv_cache.values", values.data(), {values.dimension(0), values.dimension(1), values.dimension(2)}}};
@@ -818,7 +829,7 @@ struct CacheTensors {
 template <typename Scalar>
 std::vector<std::uint8_t> save_kv_cache_to_memory(const KVCache<Scalar>& cache, const std::string& name_for_errors = "<memory>") {
   const detail::safetensors::CacheTensors<Scalar> t{cache.keys(), cache.values(), cache.d_model(), cache.d_k(), cache.d_v(),
-                                                    cache.h()};
+                                                    cache.kv_heads()};
   return save_safetensors_to_memory(t, "", {{"sdpa.kv_cache.position", std::to_string(cache.position())}}, name_for_errors);
 }
 
@@ -853,8 +864,12 @@ void load_kv_cache(KVCache<Scalar>& cache, const SafetensorsFile& file) {
       st::fail(file.name, "__metadata__ " + st::quote(key) + " must be a non-negative integer, but is " + st::quote(it->second));
     return static_cast<Index>(value);
   };
-  const std::pair<const char*, Index> shape[4] = {
-      {"sdpa.d_model", cache.d_model()}, {"sdpa.d_k", cache.d_k()}, {"sdpa.d_v", cache.d_v()}, {"sdpa.h", cache.h()}};
+  // (Files from before grouped-query heads record the cache's heads as "sdpa.h".)
+  const char* heads_key = file.metadata.count("sdpa.kv_heads") > 0 ? "sdpa.kv_heads" : "sdpa.h";
+  const std::pair<const char*, Index> shape[4] = {{"sdpa.d_model", cache.d_model()},
+                                                  {"sdpa.d_k", cache.d_k()},
+                                                  {"sdpa.d_v", cache.d_v()},
+                                                  {heads_key, cache.kv_heads()}};
   for (const auto& s : shape) {
     const Index saved = integer(s.first);
     if (saved != s.second)
@@ -865,7 +880,7 @@ void load_kv_cache(KVCache<Scalar>& cache, const SafetensorsFile& file) {
   const SafetensorsTensor* k = file.find("kv_cache.keys");
   const SafetensorsTensor* v = file.find("kv_cache.values");
   if (k == nullptr || v == nullptr) st::fail(file.name, "missing tensors: \"kv_cache.keys\" and \"kv_cache.values\" are needed");
-  const Index hk = cache.h() * cache.d_k(), hv = cache.h() * cache.d_v();
+  const Index hk = cache.kv_heads() * cache.d_k(), hv = cache.kv_heads() * cache.d_v();
   if (k->shape.size() != 3 || k->shape[2] != hk)
     st::fail(file.name, "tensor \"kv_cache.keys\" has shape " + st::shape_text(k->shape) + ", but must be (batch, size, " +
                             std::to_string(hk) + ")");

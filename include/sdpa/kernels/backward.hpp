@@ -42,13 +42,17 @@ struct BackwardProblem {
   // rows' log-sum-exp, which the backward requires.
   const AttentionProblem<Scalar>* forward = nullptr;
   Heads<const Scalar> d_out;  // dL/dO, the layout of forward->out: (batch, nq, heads * d_v)
-  // Written, not accumulated: the layouts of forward->q, k and v, each with its own strides.
+  // Written, not accumulated: the layouts of forward->q, k and v, each with its own strides (d_k and d_v per
+  // key/value head: the query heads of a group add their terms in head order).
   Heads<Scalar> d_q, d_k, d_v;
   // When forward->weights (bias) is set and this is not null: dense, row-major, the shape of the weights
   // (bias) tensor, its broadcast dimensions summed over; written.
   Scalar* d_weights = nullptr;
   Scalar* d_bias = nullptr;
   std::array<Eigen::Index, 4> weights_dims{}, bias_dims{};  // each dimension 1 or full
+  // When forward->sinks is set and this is not null: one per query head, written. d L / d sink_h =
+  // -sum over (b, q) of p_sink(b, h, q) * D(b, h, q), p_sink = exp(sink_h - lse), D = dO . O.
+  Scalar* d_sinks = nullptr;
 };
 
 namespace detail {
@@ -97,22 +101,23 @@ DenseGradient<Scalar> dense_gradient(Scalar* data, const BroadcastView<Scalar>& 
   return DenseGradient<Scalar>(data, dims);
 }
 
-// The (batch, head) pairs of the backward, in units of work: a unit is one pair, or every pair that adds to
-// the same slice of a broadcast weights or bias gradient (all batch entries of a head when one broadcasts
-// over the batch, ...). One worker runs a unit's pairs in a fixed order, so every gradient element receives
-// its terms in the same order whatever the threads.
+// The (batch, head) pairs of the backward, in units of work: a unit is the query heads of one key/value head
+// (they add to the same dk and dv rows) of one batch entry, or every pair that adds to the same slice of a
+// broadcast weights or bias gradient (all batch entries when one broadcasts over the batch, all heads when
+// one broadcasts over the heads). One worker runs a unit's pairs in a fixed order (batch, then head), so
+// every gradient element receives its terms in the same order whatever the threads.
 struct BackwardUnits {
-  Eigen::Index batch = 0, heads = 0;
-  bool share_batch = false, share_heads = false;
+  Eigen::Index batch = 0, heads = 0, head_group = 1;  // head_group: query heads per unit
+  bool share_batch = false;
 
-  Eigen::Index count() const noexcept { return (share_batch ? 1 : batch) * (share_heads ? 1 : heads); }
+  Eigen::Index count() const noexcept { return (share_batch ? 1 : batch) * (heads / head_group); }
 
   template <typename F>
   void for_each_pair(Eigen::Index unit, F&& f) const {
-    const Eigen::Index nh = share_heads ? 1 : heads;
+    const Eigen::Index nh = heads / head_group;
     const Eigen::Index ub = unit / nh, uh = unit % nh;
     for (Eigen::Index b = share_batch ? 0 : ub; b < (share_batch ? batch : ub + 1); ++b)
-      for (Eigen::Index h = share_heads ? 0 : uh; h < (share_heads ? heads : uh + 1); ++h) f(b, h);
+      for (Eigen::Index h = uh * head_group; h < (uh + 1) * head_group; ++h) f(b, h);
   }
 };
 
@@ -124,8 +129,22 @@ BackwardUnits backward_units(const BackwardProblem<Scalar>& bp) {
   u.batch = p.batch;
   u.heads = p.heads;
   u.share_batch = p.batch > 1 && ((w && bp.weights_dims[0] == 1) || (bias && bp.bias_dims[0] == 1));
-  u.share_heads = p.heads > 1 && ((w && bp.weights_dims[1] == 1) || (bias && bp.bias_dims[1] == 1));
+  const bool share_heads = p.heads > 1 && ((w && bp.weights_dims[1] == 1) || (bias && bp.bias_dims[1] == 1));
+  u.head_group = share_heads ? p.heads : p.kv_group;
   return u;
+}
+
+// The sinks' gradient from per-(batch, head) partial sums, added in batch order: the same bits on any
+// number of threads.
+template <typename Scalar>
+void reduce_sink_gradients(const BackwardProblem<Scalar>& bp, const std::vector<Scalar>& partial) {
+  const AttentionProblem<Scalar>& p = *bp.forward;
+  if (bp.d_sinks == nullptr || p.sinks == nullptr) return;
+  for (Eigen::Index h = 0; h < p.heads; ++h) {
+    Scalar sum = Scalar(0);
+    for (Eigen::Index b = 0; b < p.batch; ++b) sum += partial[static_cast<std::size_t>(b * p.heads + h)];
+    bp.d_sinks[h] = sum;
+  }
 }
 
 template <typename Scalar>
@@ -133,16 +152,35 @@ void fill_rows(const Heads<Scalar>& x, Eigen::Index b, Eigen::Index h, Eigen::In
   for (Eigen::Index i = 0; i < n; ++i) std::fill_n(x.row(b, h, i), d, value);
 }
 
-// The gradients of an empty problem (no queries or no keys): zero, as nothing flows.
+// The gradients of an empty problem (no queries or no keys): zero, as nothing flows (a row without keys has
+// all its weight on its sink, whose value is zero: no gradient either).
 template <typename Scalar>
 void backward_nothing_flows(const BackwardProblem<Scalar>& bp) {
   const AttentionProblem<Scalar>& p = *bp.forward;
-  for (Eigen::Index b = 0; b < p.batch; ++b)
-    for (Eigen::Index h = 0; h < p.heads; ++h) {
-      fill_rows(bp.d_q, b, h, p.nq, p.d_k, Scalar(0));
-      fill_rows(bp.d_k, b, h, p.nk, p.d_k, Scalar(0));
-      fill_rows(bp.d_v, b, h, p.nk, p.d_v, Scalar(0));
+  for (Eigen::Index b = 0; b < p.batch; ++b) {
+    for (Eigen::Index h = 0; h < p.heads; ++h) fill_rows(bp.d_q, b, h, p.nq, p.d_k, Scalar(0));
+    for (Eigen::Index g = 0; g < p.kv_heads(); ++g) {
+      fill_rows(bp.d_k, b, g, p.nk, p.d_k, Scalar(0));
+      fill_rows(bp.d_v, b, g, p.nk, p.d_v, Scalar(0));
     }
+  }
+  if (bp.d_sinks != nullptr && p.sinks != nullptr) std::fill_n(bp.d_sinks, p.heads, Scalar(0));
+}
+
+// d L / d y for the softcapped scores of one row segment: dr[j] *= 1 - tanh(y_j / c)^2, where
+// y = u (times the weights) is the score the softcap took and u = scale * q . k; y is computed into yr
+// and capped there with the forward's own kernel, so the derivative is that of the value the forward used.
+template <typename Scalar>
+void softcap_gradient(const AttentionProblem<Scalar>& p, Eigen::Index b, Eigen::Index h, Eigen::Index q,
+                      Eigen::Index k0, const Scalar* ur, Scalar* yr, Scalar* dr, Eigen::Index n) {
+  std::copy_n(ur, n, yr);
+  if (p.weights) apply_broadcast_row(yr, n, p.weights, b, h, q, k0, /*multiply=*/true);
+  simd::softcap(p.isa, yr, n, p.softcap);
+  const Scalar inv = Scalar(1) / p.softcap;
+  for (Eigen::Index j = 0; j < n; ++j) {
+    const Scalar t = yr[j] * inv;
+    dr[j] *= Scalar(1) - t * t;
+  }
 }
 
 }  // namespace detail
@@ -157,7 +195,9 @@ class TiledBackward {
   using Index = Eigen::Index;
   using Segment = typename Visibility<Scalar>::Segment;
 
-  TiledBackward(const BackwardProblem<Scalar>& bp, const ScorePipeline<Scalar>& pipeline, const TileConfig& c)
+  // sink_partial: per (batch, head), this worker's pairs' share of the sinks' gradient (when there are sinks).
+  TiledBackward(const BackwardProblem<Scalar>& bp, const ScorePipeline<Scalar>& pipeline, const TileConfig& c,
+                Scalar* sink_partial)
       : bp_(bp),
         p_(*bp.forward),
         vis_(pipeline.visibility()),
@@ -167,20 +207,28 @@ class TiledBackward {
         dw_(detail::dense_gradient(bp.d_weights, p_.weights, bp.weights_dims)),
         db_(detail::dense_gradient(bp.d_bias, p_.bias, bp.bias_dims)),
         ds_buf_(static_cast<std::size_t>(c.block_q * ldd_ + kLine)),
-        u_buf_(dw_ ? static_cast<std::size_t>(c.block_q * ldd_ + kLine) : 0),
+        u_buf_(dw_ || p_.softcap > Scalar(0) ? static_cast<std::size_t>(c.block_q * ldd_ + kLine) : 0),
+        y_buf_(p_.softcap > Scalar(0) ? static_cast<std::size_t>(ldd_ + kLine) : 0),
         dq_buf_(static_cast<std::size_t>(span_ * p_.d_k + kLine)),
         delta_(static_cast<std::size_t>(span_)),
         lse_(static_cast<std::size_t>(span_)),
         seen_(static_cast<std::size_t>(span_)),
-        bits_(p_.dropout ? static_cast<std::size_t>(c.block_k + 8) : 0) {}
+        bits_(p_.dropout ? static_cast<std::size_t>(c.block_k + 8) : 0),
+        sink_partial_(sink_partial) {}
 
+  // Pair (b, h); the first query head of a key/value head's group starts that group's dk and dv rows.
   void run(Index b, Index h) {
     const AttentionProblem<Scalar>& p = p_;
-    detail::fill_rows(bp_.d_k, b, h, p.nk, p.d_k, Scalar(0));
-    detail::fill_rows(bp_.d_v, b, h, p.nk, p.d_v, Scalar(0));
+    const Index g = h / p.kv_group;
+    if (h % p.kv_group == 0) {
+      detail::fill_rows(bp_.d_k, b, g, p.nk, p.d_k, Scalar(0));
+      detail::fill_rows(bp_.d_v, b, g, p.nk, p.d_v, Scalar(0));
+    }
     nan_values_ = false;
+    sink_sum_ = Scalar(0);
     for (Index q0 = 0; q0 < p.nq; q0 += span_) run_group(b, h, q0, std::min(span_, p.nq - q0));
-    if (nan_values_) detail::fill_rows(bp_.d_v, b, h, p.nk, p.d_v, std::numeric_limits<Scalar>::quiet_NaN());
+    if (nan_values_) detail::fill_rows(bp_.d_v, b, g, p.nk, p.d_v, std::numeric_limits<Scalar>::quiet_NaN());
+    if (sink_partial_ != nullptr) sink_partial_[b * p.heads + h] = sink_sum_;
   }
 
  private:
@@ -204,8 +252,11 @@ class TiledBackward {
     std::fill_n(dq, rows * p.d_k, Scalar(0));
     scorer_.run(b, h, q0, rows, [&](const Tile<Scalar>& t) { visit(t); }, /*count=*/false);
     for (Index r = 0; r < rows; ++r) {
+      const std::size_t sr = static_cast<std::size_t>(r);
       std::copy_n(dq + r * p.d_k, p.d_k, bp_.d_q.row(b, h, q0 + r));
-      if (!seen_[static_cast<std::size_t>(r)] && p.masked_rows == MaskedRows::kNaN) nan_values_ = true;
+      if (!seen_[sr] && p.masked_rows == MaskedRows::kNaN && p.sinks == nullptr) nan_values_ = true;
+      // The sink's probability times D, in row order.
+      if (p.sinks != nullptr) sink_sum_ -= std::exp(p.sinks[h] - lse_[sr]) * delta_[sr];
     }
   }
 
@@ -216,13 +267,15 @@ class TiledBackward {
     const Index first_query = t.q0 + t.r0 + t.i0, first_key = t.k0 + t.j0;
     const Scalar* dout = bp_.d_out.row(b, h, first_query);
     const Scalar* q = p.q.row(b, h, first_query);
-    const Scalar* k = p.k.row(b, h, first_key);
+    const Scalar* k = p.key_row(b, h, first_key);
     // Rectangle row i - i0 of ds (and u) is tile row i, from key first_key on.
     Scalar* ds = aligned(ds_buf_);
-    Scalar* u = dw_ ? aligned(u_buf_) : nullptr;
+    Scalar* u = u_buf_.empty() ? nullptr : aligned(u_buf_);
 
-    // dP = dO v^T, then dS in place; u = scale * q k^T, the score before the weights, for their gradient.
-    gemm_nt(p.isa, ni, nj, p.d_v, Scalar(1), dout, bp_.d_out.row_stride, p.v.row(b, h, first_key), p.v.row_stride, ds, ldd_);
+    // dP = dO v^T, then dS in place; u = scale * q k^T, the score before the weights and the softcap, for
+    // their gradients.
+    gemm_nt(p.isa, ni, nj, p.d_v, Scalar(1), dout, bp_.d_out.row_stride, p.value_row(b, h, first_key), p.v.row_stride,
+            ds, ldd_);
     if (u != nullptr) gemm_nt(p.isa, ni, nj, p.d_k, p.scale, q, p.q.row_stride, k, p.k.row_stride, u, ldd_);
     for (Index i = t.i0; i < t.i1; ++i) {
       const Index r = t.r0 + i, query = t.q0 + r;
@@ -264,16 +317,20 @@ class TiledBackward {
         Row(dr, nj) = ConstRow(pr, nj) * (Row(dr, nj) - delta);
       }
       if (t.any_hidden) zero_hidden(t, i, seg, dr, nj);
-      if (db_ || dw_) add_score_gradients(t, i, query, seg, dr, u == nullptr ? nullptr : u + (i - t.i0) * ldd_);
-      // dU = dS o weights, times the scale that multiplied q . k: the operand of dq and dk.
+      const Scalar* ur = u == nullptr ? nullptr : u + (i - t.i0) * ldd_;
+      // The bias was added after the softcap; the weights multiplied before it.
+      if (db_) add_score_gradient(db_, t, i, query, seg, [&](Index j) { return dr[j]; });
+      if (p.softcap > Scalar(0)) detail::softcap_gradient(p, b, h, query, first_key, ur, aligned(y_buf_), dr, nj);
+      if (dw_) add_score_gradient(dw_, t, i, query, seg, [&](Index j) { return dr[j] * ur[j]; });
+      // dU = dY o weights, times the scale that multiplied q . k: the operand of dq and dk.
       if (p.weights) detail::apply_broadcast_row(dr, nj, p.weights, b, h, query, first_key, /*multiply=*/true);
       Row(dr, nj) *= p.scale;
     }
 
     // With p = 1 every probability is dropped and dv gets nothing.
     if (!(p.dropout && p.keep_scale == Scalar(0)))
-      detail::gemm_tn_add(nj, p.d_v, ni, t.row(t.i0), t.lds, dout, bp_.d_out.row_stride, bp_.d_v.row(b, h, first_key),
-                          bp_.d_v.row_stride);
+      detail::gemm_tn_add(nj, p.d_v, ni, t.row(t.i0), t.lds, dout, bp_.d_out.row_stride,
+                          bp_.d_v.row(b, h / p.kv_group, first_key), bp_.d_v.row_stride);
     Scalar* dq = aligned(dq_buf_) + (t.r0 + t.i0) * p.d_k;
     if (t.any_hidden && !keys_finite(k, nj)) {
       // A hidden key passes no gradient, not even a NaN or infinity in its k row, which the product would
@@ -282,13 +339,14 @@ class TiledBackward {
         for (Index j = t.j0; j < t.j1; ++j) {
           if (t.hidden(vis_, i, j)) continue;
           const Scalar g = ds[(i - t.i0) * ldd_ + (j - t.j0)];
-          const Scalar* kj = p.k.row(b, h, t.k0 + j);
+          const Scalar* kj = p.key_row(b, h, t.k0 + j);
           for (Index d = 0; d < p.d_k; ++d) dq[(i - t.i0) * p.d_k + d] += g * kj[d];
         }
     } else {
       gemm_nn_add(p.isa, ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
     }
-    detail::gemm_tn_add(nj, p.d_k, ni, ds, ldd_, q, p.q.row_stride, bp_.d_k.row(b, h, first_key), bp_.d_k.row_stride);
+    detail::gemm_tn_add(nj, p.d_k, ni, ds, ldd_, q, p.q.row_stride, bp_.d_k.row(b, h / p.kv_group, first_key),
+                        bp_.d_k.row_stride);
   }
 
   // dS = 0 at the keys the row does not see (seg relative to the rectangle's first key), whatever dP held
@@ -301,23 +359,21 @@ class TiledBackward {
       if (t.hidden(vis_, i, t.j0 + j)) dr[j] = Scalar(0);
   }
 
-  // d_bias += dS and d_weights += dS o u over the row's visible keys, summed over broadcast dimensions.
-  void add_score_gradients(const Tile<Scalar>& t, Index i, Index query, const Segment& seg, const Scalar* dr,
-                           const Scalar* ur) {
+  // g += term(j) over the row's visible keys, summed over g's broadcast dimensions: the bias's gradient
+  // (dS) and the weights' (dY o u).
+  template <typename Term>
+  void add_score_gradient(const detail::DenseGradient<Scalar>& g, const Tile<Scalar>& t, Index i, Index query,
+                          const Segment& seg, Term term) {
     const Index first_key = t.k0 + t.j0;
-    auto add = [&](const detail::DenseGradient<Scalar>& g, auto term) {
-      Scalar* target = g.row(t.b, t.h, query);
-      const Index stride = g.stride[3];
-      Scalar sum = Scalar(0);
-      for (Index j = seg.lo; j < seg.hi; ++j) {
-        if (!seg.solid && t.hidden(vis_, i, t.j0 + j)) continue;
-        if (stride == 0) sum += term(j);
-        else target[(first_key + j) * stride] += term(j);
-      }
-      if (stride == 0) *target += sum;
-    };
-    if (db_) add(db_, [&](Index j) { return dr[j]; });
-    if (dw_) add(dw_, [&](Index j) { return dr[j] * ur[j]; });
+    Scalar* target = g.row(t.b, t.h, query);
+    const Index stride = g.stride[3];
+    Scalar sum = Scalar(0);
+    for (Index j = seg.lo; j < seg.hi; ++j) {
+      if (!seg.solid && t.hidden(vis_, i, t.j0 + j)) continue;
+      if (stride == 0) sum += term(j);
+      else target[(first_key + j) * stride] += term(j);
+    }
+    if (stride == 0) *target += sum;
   }
 
   bool keys_finite(const Scalar* k, Index nj) const {
@@ -335,11 +391,14 @@ class TiledBackward {
   // Scratch starts on a cache line in every worker: Eigen's products of small operands vectorise from the
   // first aligned element, so their rounding would otherwise depend on where a worker's buffer landed.
   std::vector<Scalar> ds_buf_, u_buf_;  // one tile of dP, then dS; of u = scale * q . k
+  std::vector<Scalar> y_buf_;           // one row of softcapped scores (softcap_gradient)
   std::vector<Scalar> dq_buf_;          // the group's dq rows
   std::vector<Scalar> delta_, lse_;     // per group row
   std::vector<char> seen_;              // per group row: saw a visible key
   std::vector<std::uint32_t> bits_;     // one row's dropout words
   bool nan_values_ = false;             // a row of the current pair had a NaN softmax
+  Scalar* sink_partial_;                // per (batch, head), or null
+  Scalar sink_sum_ = Scalar(0);         // the current pair's
 };
 
 // The attention core's backward, tiled (see the header comment). Zero fields of `config` are derived from
@@ -368,11 +427,15 @@ void tiled_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDe
   const Visibility<Scalar> visibility(p, device);
   const ScorePipeline<Scalar> pipeline(visibility);
   const Index n = units.count();
+  const bool sinks = bp.d_sinks != nullptr && p.sinks != nullptr;
+  std::vector<Scalar> sink_partial(sinks ? static_cast<std::size_t>(p.batch * p.heads) : 0);
   parallel_for_with_state(
-      device, n, balanced_grain(device, n, 4), [&] { return TiledBackward<Scalar>(bp, pipeline, c); },
+      device, n, balanced_grain(device, n, 4),
+      [&] { return TiledBackward<Scalar>(bp, pipeline, c, sinks ? sink_partial.data() : nullptr); },
       [&](TiledBackward<Scalar>& worker, Index u0, Index u1) {
         for (Index u = u0; u < u1; ++u) units.for_each_pair(u, [&](Index b, Index h) { worker.run(b, h); });
       });
+  detail::reduce_sink_gradients(bp, sink_partial);
 }
 
 // The plain backward, the oracle of tiled_backward: per (batch, head, query) the whole row of scores and
@@ -394,15 +457,20 @@ void reference_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPo
     return;
   }
   const detail::BackwardUnits units = detail::backward_units(bp);
+  const bool sinks = bp.d_sinks != nullptr && p.sinks != nullptr;
+  std::vector<Scalar> sink_partial(sinks ? static_cast<std::size_t>(p.batch * p.heads) : 0);
   parallel_for(device, units.count(), 1, [&](Index u0, Index u1) {
     const std::size_t nk = static_cast<std::size_t>(p.nk);
-    std::vector<Scalar> u(nk), s(nk), prob(nk), dprob(nk), dq(static_cast<std::size_t>(p.d_k));
+    std::vector<Scalar> u(nk), y(nk), s(nk), prob(nk), dprob(nk), dq(static_cast<std::size_t>(p.d_k));
     std::vector<char> hidden(nk), dropped(nk);
     for (Index unit = u0; unit < u1; ++unit) {
       units.for_each_pair(unit, [&](Index b, Index h) {
-        const Index bh = b * p.heads + h;
-        detail::fill_rows(bp.d_k, b, h, p.nk, p.d_k, Scalar(0));
-        detail::fill_rows(bp.d_v, b, h, p.nk, p.d_v, Scalar(0));
+        const Index bh = b * p.heads + h, g = h / p.kv_group;
+        if (h % p.kv_group == 0) {  // the first query head of the key/value head's group
+          detail::fill_rows(bp.d_k, b, g, p.nk, p.d_k, Scalar(0));
+          detail::fill_rows(bp.d_v, b, g, p.nk, p.d_v, Scalar(0));
+        }
+        Scalar sink_sum = 0;
         for (Index i = 0; i < p.nq; ++i) {
           const Scalar* qi = p.q.row(b, h, i);
           const Scalar* doi = bp.d_out.row(b, h, i);
@@ -417,12 +485,14 @@ void reference_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPo
               continue;
             }
             seen = true;
-            const Scalar* kj = p.k.row(b, h, j);
+            const Scalar* kj = p.key_row(b, h, j);
             Scalar dot = 0;
             for (Index d = 0; d < p.d_k; ++d) dot += qi[d] * kj[d];
             u[sj] = dot * p.scale;
             Scalar x = u[sj];
             if (p.weights) x *= p.weights(b, h, i, j);
+            y[sj] = x;
+            if (p.softcap > Scalar(0)) x = p.softcap * std::tanh(x / p.softcap);
             if (p.bias) x += p.bias(b, h, i, j);
             if (p.alibi != nullptr) x -= p.alibi[h] * static_cast<Scalar>(std::abs(p.position(i) - j));
             s[sj] = x;
@@ -430,41 +500,50 @@ void reference_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPo
           }
           // The softmax as PyTorch evaluates it over the masked scores, hidden keys included: exp(-inf - max)
           // is 0 unless the row is NaN, when every probability is. A row with no visible key is all NaN
-          // under kNaN and all 0 under kZero.
-          Scalar sum = 0;
+          // under kNaN and all 0 under kZero; with a sink it has all its weight there (keys 0).
+          const Scalar sink = p.sinks != nullptr ? p.sinks[h] : -kInf;
+          if (p.sinks != nullptr && !std::isnan(max) && (sink > max || max == -kInf)) max = sink;
+          Scalar sum = p.sinks != nullptr ? std::exp(p.sinks[h] - max) : Scalar(0);
           for (std::size_t j = 0; j < nk; ++j) {
             prob[j] = std::exp(s[j] - max);
             sum += prob[j];
           }
+          const bool normalised = seen || p.sinks != nullptr;
           for (std::size_t j = 0; j < nk; ++j) {
-            prob[j] = seen ? prob[j] / sum
-                           : (p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(0));
+            prob[j] = normalised ? prob[j] / sum
+                                 : (p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(0));
           }
           // dP (dropped and rescaled) at the visible keys and D = sum_j P_j dP_j = dO . O.
           Scalar delta = 0;
           for (Index j = 0; j < p.nk; ++j) {
             const std::size_t sj = static_cast<std::size_t>(j);
             if (hidden[sj]) continue;
-            const Scalar* vj = p.v.row(b, h, j);
+            const Scalar* vj = p.value_row(b, h, j);
             Scalar dot = 0;
             for (Index d = 0; d < p.d_v; ++d) dot += doi[d] * vj[d];
             dprob[sj] = dropped[sj] ? Scalar(0) : dot * p.keep_scale;
             delta += prob[sj] * dprob[sj];
           }
+          // d sink = -p_sink D: the sink's logit shifts every key's probability and adds no value.
+          if (sinks) sink_sum -= std::exp(sink - max) / sum * delta;
           std::fill(dq.begin(), dq.end(), Scalar(0));
           for (Index j = 0; j < p.nk; ++j) {
             const std::size_t sj = static_cast<std::size_t>(j);
             // dv sees every key's probability (0 at a hidden key, unless the row is NaN).
             const Scalar pz = dropped[sj] ? Scalar(0) * prob[sj] : prob[sj] * p.keep_scale;
-            Scalar* dvj = bp.d_v.row(b, h, j);
+            Scalar* dvj = bp.d_v.row(b, g, j);
             for (Index d = 0; d < p.d_v; ++d) dvj[d] += pz * doi[d];
             if (hidden[sj]) continue;
-            const Scalar g = prob[sj] * (dprob[sj] - delta);
-            if (db) db.row(b, h, i)[j * db.stride[3]] += g;
-            if (dw) dw.row(b, h, i)[j * dw.stride[3]] += g * u[sj];
-            const Scalar gu = (p.weights ? g * p.weights(b, h, i, j) : g) * p.scale;
-            const Scalar* kj = p.k.row(b, h, j);
-            Scalar* dkj = bp.d_k.row(b, h, j);
+            Scalar ds = prob[sj] * (dprob[sj] - delta);  // d L / d (the final score)
+            if (db) db.row(b, h, i)[j * db.stride[3]] += ds;
+            if (p.softcap > Scalar(0)) {
+              const Scalar t = std::tanh(y[sj] / p.softcap);
+              ds *= Scalar(1) - t * t;
+            }
+            if (dw) dw.row(b, h, i)[j * dw.stride[3]] += ds * u[sj];
+            const Scalar gu = (p.weights ? ds * p.weights(b, h, i, j) : ds) * p.scale;
+            const Scalar* kj = p.key_row(b, h, j);
+            Scalar* dkj = bp.d_k.row(b, g, j);
             for (Index d = 0; d < p.d_k; ++d) {
               dq[static_cast<std::size_t>(d)] += gu * kj[d];
               dkj[d] += gu * qi[d];
@@ -472,9 +551,11 @@ void reference_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPo
           }
           std::copy(dq.begin(), dq.end(), bp.d_q.row(b, h, i));
         }
+        if (sinks) sink_partial[static_cast<std::size_t>(bh)] = sink_sum;
       });
     }
   });
+  detail::reduce_sink_gradients(bp, sink_partial);
 }
 
 }  // namespace kernels

@@ -98,7 +98,11 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
     // An empty softmax: the product with an empty v is zero, under either masked-row policy.
     for (Index b = 0; b < p.batch; ++b)
       for (Index h = 0; h < p.heads; ++h)
-        for (Index q = 0; q < p.nq; ++q) std::fill_n(p.out.row(b, h, q), p.d_v, Scalar(0));
+        for (Index q = 0; q < p.nq; ++q) {
+          std::fill_n(p.out.row(b, h, q), p.d_v, Scalar(0));
+          if (p.lse != nullptr)
+            p.lse[(b * p.heads + h) * p.nq + q] = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<Scalar>::infinity();
+        }
     return;
   }
   const Index chunks = std::max<Index>(1, (p.nk + kDecodeChunk - 1) / kDecodeChunk);
@@ -133,10 +137,11 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
           any = any || !segs[r].none();
         }
       if (!any) continue;
-      // Pass 1: every (head, query)'s scores over the chunk, key row by key row: a row holds every head's key,
-      // so the chunk's keys are streamed from memory once and in order.
+      // Pass 1: every (head, query)'s scores over the chunk, key row by key row: a row holds every key/value
+      // head, so the chunk's keys are streamed from memory once and in order (a group of query heads reads
+      // its key head's row while it is in L1).
       simd::chunk_scores(p.isa, p.k.row(b, 0, k0), p.k.row_stride, p.k.head_stride, n, p.q.row(b, 0, 0), p.q.head_stride,
-                         p.q.row_stride, p.heads, Index{1}, p.nq, p.d_k, p.scale, scores, kDecodeChunk);
+                         p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k, p.scale, scores, kDecodeChunk);
       // Pass 2: per row, the score pipeline, the softmax fold and dropout.
       for (Index h = 0; h < p.heads; ++h)
         for (Index q = 0; q < p.nq; ++q) {
@@ -162,9 +167,11 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
         const Index m = std::min(kRows, n - j0);
         // The next block's value rows are requested now: within a block the heads take their parts of the
         // rows in turn, an order the hardware prefetcher does not follow ahead.
-        if (j0 + kRows < n) decode_detail::prefetch_rows(p.v.row(b, 0, k0 + j0 + kRows), p.v.row_stride, std::min(kRows, n - j0 - kRows), p.heads * p.d_v);
+        if (j0 + kRows < n)
+          decode_detail::prefetch_rows(p.v.row(b, 0, k0 + j0 + kRows), p.v.row_stride, std::min(kRows, n - j0 - kRows),
+                                       p.kv_heads() * p.d_v);
         for (Index h = 0; h < p.heads; ++h) {
-          const Scalar* vb = p.v.row(b, h, k0 + j0);
+          const Scalar* vb = p.value_row(b, h, k0 + j0);
           for (Index q = 0; q < p.nq; ++q) {
             const Index r = h * p.nq + q;
             const Segment& seg = segs[r];
@@ -197,13 +204,17 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
         const Index other = (b * chunks + c) * rows + hq;
         st.merge(ws.states[static_cast<std::size_t>(other)], acc, ws.acc.data() + other * p.d_v, p.d_v);
       }
+      if (p.sinks != nullptr) st.add_sink(p.sinks[h], acc, p.d_v);
       finish_row(p.out.row(b, h, q), acc, p.d_v, st, p.masked_rows, accumulated);
       const Index bh = b * p.heads + h;
       if (p.lse != nullptr) p.lse[bh * p.nq + q] = st.log_sum_exp();
       if (p.probabilities != nullptr) {
-        // The scores again, normalised by the row's log-sum-exp (as the tiled kernel writes them).
+        // The scores again (the same products as pass 1), normalised by the row's log-sum-exp, as the tiled
+        // kernel writes them.
         Scalar* out = p.probabilities + (bh * p.nq + q) * p.nk;
-        const Scalar fill = !st.seen && p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(0);
+        const Scalar fill = !st.seen && !st.sunk && p.masked_rows == MaskedRows::kNaN
+                                ? std::numeric_limits<Scalar>::quiet_NaN()
+                                : Scalar(0);
         std::fill_n(out, p.nk, fill);
         if (!st.seen) continue;
         const KeyRange range = visibility.row(b, h, q);
@@ -211,12 +222,8 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
         for (Index k0 = range.lo / kDecodeChunk * kDecodeChunk; k0 < range.hi; k0 += kDecodeChunk) {
           const Index n = std::min(kDecodeChunk, p.nk - k0);
           Scalar* x = out + k0;
-          using Rows = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, 0,
-                                  Eigen::OuterStride<>>;
-          const Rows kmat(p.k.row(b, h, k0), n, p.d_k, Eigen::OuterStride<>(p.k.row_stride));
-          Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> xv(x, n);
-          xv.noalias() = kmat * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(p.q.row(b, h, q), p.d_k);
-          xv *= p.scale;
+          simd::chunk_scores(p.isa, p.key_row(b, h, k0), p.k.row_stride, Index{0}, n, p.q.row(b, h, q), Index{0},
+                             Index{0}, Index{1}, Index{1}, Index{1}, p.d_k, p.scale, x, kDecodeChunk);
           pipeline.apply(x, n, b, h, q, k0, range);
           simd::exp_shifted_sum(p.isa, x, n, lse);
         }

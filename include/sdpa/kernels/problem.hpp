@@ -3,7 +3,7 @@
 // serves without a copy), what modifies the scores (broadcast weights and bias, ALiBi slopes), what hides
 // keys (a broadcast mask, causal, windows, key lengths, all relative to the query's position among the
 // keys), the masked-row policy, the dropout draw, and the optional outputs (probabilities, the rows'
-// log-sum-exp). The module fills it after validating the arguments; kernels trust it.
+// log-sum-exp). The checked core (attention.hpp) fills it after validating the arguments; kernels trust it.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -38,15 +38,24 @@ struct AttentionProblem {
   using Index = Eigen::Index;
 
   Index batch = 0, heads = 0, nq = 0, nk = 0, d_k = 0, d_v = 0;
+  // Query heads per key/value head (grouped-query attention): query head h reads key/value head
+  // h / kv_group; 1 for plain multi-head attention, heads for multi-query.
+  Index kv_group = 1;
   Isa isa = active_isa();  // the kernels' path for this call (sdpa/cpu.hpp), read once
-  Heads<const Scalar> q, k, v;
-  Heads<Scalar> out;  // (batch, nq, heads * d_v)
-  Scalar scale = Scalar(1);  // 1 / sqrt(d_k)
+  Heads<const Scalar> q, k, v;  // q per query head, k and v per key/value head
+  Heads<Scalar> out;  // per query head
+  Scalar scale = Scalar(1);  // 1 / sqrt(d_k) unless the options give one
 
-  // The scores: s = scale * q . k, times weights, plus bias, minus alibi[h] * |q' - k|.
+  // The scores: s = scale * q . k, times weights, then softcap * tanh(s / softcap) when softcap > 0, plus
+  // bias, minus alibi[h] * |q' - k|.
   BroadcastView<Scalar> weights;
+  Scalar softcap = Scalar(0);
   BroadcastView<Scalar> bias;
   const Scalar* alibi = nullptr;  // one slope per head, or none
+  // One extra logit per query head whose value is zero (attention sinks, gpt-oss): it takes part in each
+  // row's softmax and in nothing else. A row whose every key is hidden then puts all its weight on the
+  // sink (output 0 whatever the masked-row policy).
+  const Scalar* sinks = nullptr;
 
   // Which keys a query sees. q' = q + query_offset is the query's position among the keys (nk - nq for a
   // plain call: lower-right alignment); causal hides k > q', window_left (>= 0) hides k < q' - window_left,
@@ -69,6 +78,9 @@ struct AttentionProblem {
   Scalar* lse = nullptr;
 
   Index position(Index query) const noexcept { return query + query_offset; }
+  const Scalar* key_row(Index b, Index h, Index i) const noexcept { return k.row(b, h / kv_group, i); }
+  const Scalar* value_row(Index b, Index h, Index i) const noexcept { return v.row(b, h / kv_group, i); }
+  Index kv_heads() const noexcept { return heads / kv_group; }
 };
 
 }  // namespace kernels

@@ -45,7 +45,7 @@ void reference_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadP
         if (p.nk == 0) {
           // An empty softmax: the product with an empty v is zero, under either masked-row policy.
           std::fill(p.out.row(b, h, i), p.out.row(b, h, i) + p.d_v, Scalar(0));
-          if (p.lse != nullptr) p.lse[bh * p.nq + i] = -kInf;
+          if (p.lse != nullptr) p.lse[bh * p.nq + i] = p.sinks != nullptr ? p.sinks[h] : -kInf;
           continue;
         }
         const Scalar* q = p.q.row(b, h, i);
@@ -58,30 +58,38 @@ void reference_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadP
             continue;
           }
           row.seen = true;
-          const Scalar* k = p.k.row(b, h, j);
+          const Scalar* k = p.key_row(b, h, j);
           Scalar dot = 0;
           for (Eigen::Index d = 0; d < p.d_k; ++d) dot += q[d] * k[d];
           Scalar x = dot * p.scale;
           if (p.weights) x *= p.weights(b, h, i, j);
+          if (p.softcap > Scalar(0)) x = p.softcap * std::tanh(x / p.softcap);
           if (p.bias) x += p.bias(b, h, i, j);
           if (p.alibi != nullptr) x -= p.alibi[h] * static_cast<Scalar>(std::abs(p.position(i) - j));
           s[sj] = x;
           if (x > row.max || std::isnan(x)) row.max = std::isnan(row.max) ? row.max : x;
         }
-        // Visible scores that are all -inf give exp(-inf - -inf) = NaN, as in PyTorch.
+        // The sink logit takes part in the softmax (its value is zero): in the max and in the sum. Visible
+        // scores that are all -inf give exp(-inf - -inf) = NaN, as in PyTorch.
+        if (p.sinks != nullptr) {
+          row.sunk = true;
+          const Scalar sink = p.sinks[h];
+          if (!std::isnan(row.max) && (sink > row.max || row.max == -kInf)) row.max = sink;
+        }
         for (Eigen::Index j = 0; j < p.nk; ++j) {
           const std::size_t sj = static_cast<std::size_t>(j);
           s[sj] = hidden[sj] ? Scalar(0) : std::exp(s[sj] - row.max);
           row.sum += s[sj];
         }
+        if (p.sinks != nullptr) row.sum += std::exp(p.sinks[h] - row.max);
         if (p.lse != nullptr) p.lse[bh * p.nq + i] = row.log_sum_exp();
         if (p.probabilities != nullptr) {
           Scalar* out = p.probabilities + (bh * p.nq + i) * p.nk;
           for (Eigen::Index j = 0; j < p.nk; ++j) {
             const std::size_t sj = static_cast<std::size_t>(j);
-            out[j] = !row.seen && p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN()
-                     : hidden[sj] || !row.seen                       ? Scalar(0)
-                                                                     : s[sj] / row.sum;
+            out[j] = !row.seen && !row.sunk && p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN()
+                     : hidden[sj] || !row.seen                                    ? Scalar(0)
+                                                                                  : s[sj] / row.sum;
           }
         }
         std::fill(acc.begin(), acc.end(), Scalar(0));
@@ -90,7 +98,7 @@ void reference_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadP
           if (hidden[static_cast<std::size_t>(j)]) continue;
           Scalar prob = s[static_cast<std::size_t>(j)];
           if (p.dropout) prob = p.sampler.dropped(bh, i, j) ? Scalar(0) : prob * p.keep_scale;
-          const Scalar* v = p.v.row(b, h, j);
+          const Scalar* v = p.value_row(b, h, j);
           for (Eigen::Index d = 0; d < p.d_v; ++d) acc[static_cast<std::size_t>(d)] += prob * v[d];
         }
         finish_row(p.out.row(b, h, i), acc.data(), p.d_v, row, p.masked_rows,

@@ -1,5 +1,6 @@
 // The score pipeline of one row segment, after the product has left scale * (q . k) in it: the
-// multiplicative weights, the additive bias, ALiBi's distance penalty, then -inf for every hidden key. Each
+// multiplicative weights, the softcap (s = c tanh(s / c)), the additive bias, ALiBi's distance penalty, then
+// -inf for every hidden key. Each
 // step is a small function over a contiguous segment (vectorised by the compiler or Eigen), applied only to
 // the keys the row sees; the forward, the probabilities, the decoding step and the backward pass all form
 // their scores through ScorePipeline::apply, so they agree on every score bit for bit.
@@ -14,6 +15,7 @@
 #include <limits>
 
 #include "sdpa/kernels/problem.hpp"
+#include "sdpa/simd/dispatch.hpp"
 #include "sdpa/kernels/visibility.hpp"
 
 SDPA_NAMESPACE_BEGIN
@@ -73,6 +75,7 @@ class ScorePipeline {
     const Index m = seg.hi - seg.lo, kbegin = k0 + seg.lo;
     if (p_.weights)
       detail::apply_broadcast_row(y, m, p_.weights, b, h, q, kbegin, /*multiply=*/true);
+    if (p_.softcap > Scalar(0)) simd::softcap(p_.isa, y, m, p_.softcap);
     if (p_.bias)
       detail::apply_broadcast_row(y, m, p_.bias, b, h, q, kbegin, /*multiply=*/false);
     if (p_.alibi != nullptr) add_alibi(y, m, p_.alibi[h], p_.position(q) - kbegin);

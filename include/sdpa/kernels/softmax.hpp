@@ -3,7 +3,7 @@
 // and output accumulator into its attention output under the masked-row policy (the reference kernel ends
 // its rows through it too). The row passes (max, exponent and sum) are the per-ISA kernels of
 // simd/dispatch.hpp. NaN propagates: a NaN score makes the row's max, sum and output NaN, as in
-// PyTorch; only a row that saw no visible key at all gets the masked-row policy.
+// PyTorch; only a row that saw no visible key at all (and has no sink logit) gets the masked-row policy.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -29,6 +29,7 @@ struct SoftmaxRow {
   Scalar max = -kInf;
   Scalar sum = Scalar(0);
   bool seen = false;
+  bool sunk = false;  // the row's sink logit is folded in (add_sink)
 
   // Folds a segment of final scores (hidden keys -inf) into the row on the kernels of `isa`: x becomes
   // exp(x - new max), and the return value is the factor by which the row's output accumulator must be
@@ -62,9 +63,26 @@ struct SoftmaxRow {
     return alpha;
   }
 
-  // log(sum of exp(scores)): what a backward pass recomputes the probabilities from, p = exp(s - lse).
-  // -inf for a row without visible keys.
-  Scalar log_sum_exp() const noexcept { return seen ? max + std::log(sum) : -kInf; }
+  // Folds the row's sink logit (a value of zero: nothing is added to the accumulator) into the state, with
+  // acc (d values) rescaled to the new maximum: the keys' weights then sum to less than 1, and a row without
+  // a visible key puts all its weight on the sink. Once per row, after every segment and merge, before
+  // finish_row and log_sum_exp.
+  void add_sink(Scalar sink, Scalar* acc, Eigen::Index d) noexcept {
+    sunk = true;
+    if (std::isnan(max)) return;  // a NaN row stays NaN
+    if (max == -kInf || sink > max) {
+      const Scalar alpha = max == -kInf ? Scalar(0) : std::exp(max - sink);
+      for (Eigen::Index i = 0; i < d; ++i) acc[i] *= alpha;
+      sum = sum * alpha + Scalar(1);
+      max = sink;
+    } else {
+      sum += std::exp(sink - max);
+    }
+  }
+
+  // log(sum of exp(scores)), the sink's included: what a backward pass recomputes the probabilities from,
+  // p = exp(s - lse). -inf for a row without visible keys or sink.
+  Scalar log_sum_exp() const noexcept { return seen || sunk ? max + std::log(sum) : -kInf; }
 
   // Merges another partial state of the same row (another range of its keys), whose accumulator is
   // other_acc, into this one and acc (flash-decoding's split of the keys across threads).
@@ -87,14 +105,14 @@ struct SoftmaxRow {
 };
 
 // A row's attention output from its state and accumulator (the probabilities-times-v sum, not yet
-// divided): the masked-row policy when it saw no visible key, zero when dropout removed everything (p = 1),
-// otherwise acc / sum. Visible scores that were all -inf leave sum = 0 and acc = 0: 0 * (1 / 0) is NaN, as
-// PyTorch's softmax gives.
+// divided): the masked-row policy when it saw no visible key and has no sink, zero when dropout removed
+// everything (p = 1), otherwise acc / sum (0 for a row with a sink and no visible key). Visible scores that
+// were all -inf leave sum = 0 and acc = 0: 0 * (1 / 0) is NaN, as PyTorch's softmax gives.
 template <typename Scalar>
 void finish_row(Scalar* out, const Scalar* acc, Eigen::Index d, const SoftmaxRow<Scalar>& row, MaskedRows policy,
                 bool accumulated = true) noexcept {
   Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> o(out, d);
-  if (!row.seen) {
+  if (!row.seen && !row.sunk) {
     o.setConstant(policy == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(0));
   } else if (!accumulated) {
     o.setZero();

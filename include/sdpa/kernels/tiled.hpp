@@ -110,7 +110,7 @@ class TileScorer {
     t.segments = segments_.data();
     for (Index k0 = lo / bk_ * bk_; k0 < hi; k0 += bk_) {
       const Index cols = std::min(bk_, p_.nk - k0);
-      products_.set_keys(p_.k.row(b, h, k0), p_.k.row_stride, p_.v.row(b, h, k0), p_.v.row_stride, cols);
+      products_.set_keys(p_.key_row(b, h, k0), p_.k.row_stride, p_.value_row(b, h, k0), p_.v.row_stride, cols);
       t.k0 = k0;
       t.cols = cols;
       for (Index r0 = 0; r0 < rows; r0 += bq_) {
@@ -231,7 +231,7 @@ class TiledForward {
           for (Index j = t.j0; j < t.j1; ++j) {
             if (t.hidden(vis_, i, j)) continue;
             const Scalar x = t.s[i * t.lds + j];
-            const Scalar* v = p.v.row(b, h, t.k0 + j);
+            const Scalar* v = p.value_row(b, h, t.k0 + j);
             for (Index d = 0; d < p.d_v; ++d) ot[i * p.d_v + d] += x * v[d];
           }
         }
@@ -241,7 +241,8 @@ class TiledForward {
     });
 
     for (Index i = 0; i < rows; ++i) {
-      const SoftmaxRow<Scalar>& row = rows_[static_cast<std::size_t>(i)];
+      SoftmaxRow<Scalar>& row = rows_[static_cast<std::size_t>(i)];
+      if (p.sinks != nullptr) row.add_sink(p.sinks[h], o + i * p.d_v, p.d_v);
       finish_row(p.out.row(b, h, q0 + i), o + i * p.d_v, p.d_v, row, p.masked_rows, accumulate);
       if (p.lse != nullptr) p.lse[bh * p.nq + q0 + i] = row.log_sum_exp();
     }
@@ -263,8 +264,10 @@ class TiledForward {
     const Index bh = b * p.heads + h;
     auto prob_row = [&](Index q) { return p.probabilities + (bh * p.nq + q) * p.nk; };
     for (Index i = 0; i < rows; ++i) {
-      const bool seen = rows_[static_cast<std::size_t>(i)].seen;
-      const Scalar fill = !seen && p.masked_rows == MaskedRows::kNaN ? std::numeric_limits<Scalar>::quiet_NaN() : Scalar(0);
+      const SoftmaxRow<Scalar>& row = rows_[static_cast<std::size_t>(i)];
+      const Scalar fill = !row.seen && !row.sunk && p.masked_rows == MaskedRows::kNaN
+                              ? std::numeric_limits<Scalar>::quiet_NaN()
+                              : Scalar(0);
       std::fill_n(prob_row(q0 + i), p.nk, fill);
     }
     scorer_.run(
@@ -293,7 +296,7 @@ class TiledForward {
     }
     if (finite_lo_ <= t.j0 && t.j1 <= finite_hi_) return true;
     for (Index j = t.j0; j < t.j1; ++j)
-      if (!Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(p_.v.row(t.b, t.h, t.k0 + j), p_.d_v).allFinite())
+      if (!Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(p_.value_row(t.b, t.h, t.k0 + j), p_.d_v).allFinite())
         return false;
     if (finite_hi_ <= finite_lo_ || t.j1 < finite_lo_ || t.j0 > finite_hi_) {
       finite_lo_ = t.j0;
@@ -368,12 +371,13 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
   if (p.batch <= 0 || p.heads <= 0 || p.nq <= 0) return;
   if (p.nk == 0) {
     // An empty softmax: the product with an empty v is zero, under either masked-row policy; no row saw a
-    // key (log-sum-exp -inf), and there are no probabilities to write.
+    // key (log-sum-exp -inf, or the sink's logit), and there are no probabilities to write.
     for (Index b = 0; b < p.batch; ++b)
       for (Index h = 0; h < p.heads; ++h)
         for (Index i = 0; i < p.nq; ++i) {
           std::fill(p.out.row(b, h, i), p.out.row(b, h, i) + p.d_v, Scalar(0));
-          if (p.lse != nullptr) p.lse[(b * p.heads + h) * p.nq + i] = -std::numeric_limits<Scalar>::infinity();
+          if (p.lse != nullptr)
+            p.lse[(b * p.heads + h) * p.nq + i] = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<Scalar>::infinity();
         }
     return;
   }

@@ -211,6 +211,29 @@ inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
   return Vec<float>::reduce_add(_mm256_add_ps(sum0, sum1));
 }
 
+// x[j] = cap * tanh(x[j] / cap) for j < n (logit softcapping), as sdpa::avx512::softcap_row computes it.
+inline void softcap_row(float* x, Eigen::Index n, float cap) noexcept {
+  const __m256 inv = _mm256_set1_ps(1.0f / cap), c = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f);
+  const __m256 zero = _mm256_setzero_ps(), minus_two = _mm256_set1_ps(-2.0f), quarter = _mm256_set1_ps(0.25f);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  for (Eigen::Index j = 0; j < n; j += 8) {
+    const __m256i m = Vec<float>::mask(std::min<Eigen::Index>(8, n - j));
+    const __m256 y = _mm256_mul_ps(_mm256_maskload_ps(x + j, m), inv);
+    const __m256 a = _mm256_andnot_ps(sign, y);
+    const __m256 e = exp_shifted(_mm256_mul_ps(minus_two, a), zero);
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 a2 = _mm256_mul_ps(a, a);
+    __m256 q = _mm256_fmadd_ps(_mm256_set1_ps(-1382.0f / 155925.0f), a2, _mm256_set1_ps(62.0f / 2835.0f));
+    q = _mm256_fmadd_ps(q, a2, _mm256_set1_ps(-17.0f / 315.0f));
+    q = _mm256_fmadd_ps(q, a2, _mm256_set1_ps(2.0f / 15.0f));
+    q = _mm256_fmadd_ps(q, a2, _mm256_set1_ps(-1.0f / 3.0f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(a, a2), q, a);
+    const __m256 t = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, quarter, _CMP_LT_OQ));
+    const __m256 signed_t = _mm256_xor_ps(t, _mm256_and_ps(sign, y));
+    _mm256_maskstore_ps(x + j, m, _mm256_mul_ps(signed_t, c));
+  }
+}
+
 #include "sdpa/simd/generic_gemm.inc"
 #include "sdpa/simd/generic_rows.inc"
 

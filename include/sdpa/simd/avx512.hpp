@@ -214,6 +214,32 @@ inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
+// x[j] = cap * tanh(x[j] / cap) for j < n (logit softcapping). tanh(y) = sign(y) (1 - e) / (1 + e) with
+// e = exp(-2 |y|) in (0, 1], and for |y| < 1/4, where 1 - e would cancel, its odd series to y^11 (the next
+// term is below 2e-10 of it). NaN stays NaN; +-inf gives +-cap.
+inline void softcap_row(float* x, Eigen::Index n, float cap) noexcept {
+  const __m512 inv = _mm512_set1_ps(1.0f / cap), c = _mm512_set1_ps(cap), one = _mm512_set1_ps(1.0f);
+  const __m512 zero = _mm512_setzero_ps(), minus_two = _mm512_set1_ps(-2.0f), quarter = _mm512_set1_ps(0.25f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  for (Eigen::Index j = 0; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + j), inv);
+    const __m512i ybits = _mm512_castps_si512(y);
+    const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, ybits));
+    const __m512 e = exp_shifted(_mm512_mul_ps(minus_two, a), zero, __mmask16(0xFFFF));
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 a2 = _mm512_mul_ps(a, a);
+    __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(-1382.0f / 155925.0f), a2, _mm512_set1_ps(62.0f / 2835.0f));
+    q = _mm512_fmadd_ps(q, a2, _mm512_set1_ps(-17.0f / 315.0f));
+    q = _mm512_fmadd_ps(q, a2, _mm512_set1_ps(2.0f / 15.0f));
+    q = _mm512_fmadd_ps(q, a2, _mm512_set1_ps(-1.0f / 3.0f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(a, a2), q, a);
+    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, quarter, _CMP_LT_OQ), big, small);
+    const __m512 signed_t = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(t), _mm512_and_si512(sign, ybits)));
+    _mm512_mask_storeu_ps(x + j, lanes, _mm512_mul_ps(signed_t, c));
+  }
+}
+
 #include "sdpa/simd/generic_gemm.inc"
 #include "sdpa/simd/generic_rows.inc"
 

@@ -46,6 +46,19 @@ Scalar exp_shifted_sum(Isa isa, Scalar* x, Eigen::Index n, Scalar shift) noexcep
   return portable::exp_shifted_sum(x, n, shift);
 }
 
+// x[j] = cap * tanh(x[j] / cap) for j < n: the logit softcap (Gemma 2), cap > 0.
+template <typename Scalar>
+void softcap(Isa isa, Scalar* x, Eigen::Index n, Scalar cap) noexcept {
+#if SDPA_DISPATCH
+  if constexpr (std::is_same<Scalar, float>::value) {
+    if (isa == Isa::kAvx512) return avx512::softcap_row(x, n, cap);
+    if (isa == Isa::kAvx2) return avx2::softcap_row(x, n, cap);
+  }
+#endif
+  (void)isa;
+  portable::softcap_row(x, n, cap);
+}
+
 // The largest of x[0 .. n), n > 0 (a NaN may or may not win).
 template <typename Scalar>
 Scalar row_max(Isa isa, const Scalar* x, Eigen::Index n) noexcept {

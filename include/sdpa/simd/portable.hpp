@@ -102,6 +102,12 @@ void add_weighted_rows(Scalar* acc, Eigen::Index n, const Scalar* w, const Scala
   for (Eigen::Index j = 0; j < m; ++j) a += w[j] * Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(rows + j * stride, n);
 }
 
+// x[j] = cap * tanh(x[j] / cap) for j < n (logit softcapping).
+template <typename Scalar>
+void softcap_row(Scalar* x, Eigen::Index n, Scalar cap) noexcept {
+  for (Eigen::Index j = 0; j < n; ++j) x[j] = cap * std::tanh(x[j] / cap);
+}
+
 // The decoding step's scores of a chunk of keys (see generic_rows.inc's chunk_scores).
 template <typename Scalar>
 void chunk_scores(const Scalar* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n, const Scalar* q,

@@ -1,0 +1,540 @@
+// sdpa::attention, the checked functional core: attention over head tensors a caller has already projected,
+// as PyTorch's F.scaled_dot_product_attention (with enable_gqa), FlashAttention's flash_attn_func and
+// ggml's ggml_flash_attn_ext take them, with every AttentionOptions field, and its backward. The module
+// (scaled_dot_product_attention.hpp) runs its forward, its decoding steps and its backward through the same
+// functions of namespace detail below: the options are checked, the broadcast views made and the kernel
+// chosen in one place.
+//
+//   q (b, h, nq, d_k), k (b, kv_heads, nk, d_k), v (b, kv_heads, nk, d_v)   (Layout::kBHND, the default)
+//   q (b, nq, h, d_k), k (b, nk, kv_heads, d_k), v (b, nk, kv_heads, d_v)   (Layout::kBNHD)
+// row-major Eigen::Tensor or TensorMap (read in place) or tensor expressions (evaluated once);
+// h % kv_heads == 0: query head i reads key/value head i / (h / kv_heads), as PyTorch's enable_gqa and
+// Hugging Face's repeat_kv. The result has q's layout with d_v features.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "sdpa/cpu.hpp"
+#include "sdpa/detail/inputs.hpp"
+#include "sdpa/error.hpp"
+#include "sdpa/kernels/backward.hpp"
+#include "sdpa/kernels/decode.hpp"
+#include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/reference.hpp"
+#include "sdpa/kernels/tiled.hpp"
+#include "sdpa/mask.hpp"
+#include "sdpa/options.hpp"
+#include "sdpa/random.hpp"
+#include "sdpa/rotary.hpp"
+
+SDPA_NAMESPACE_BEGIN
+
+template <typename Scalar>
+using Tensor4 = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>;
+
+namespace detail {
+
+// The sizes of one attention call, named where errors must name them.
+struct CallShape {
+  const char* where = "attention";
+  Eigen::Index batch = 0, heads = 0, kv_heads = 0, nq = 0, nk = 0, d_k = 0, d_v = 0;
+};
+
+// Every option against the call's shape, before any work: std::invalid_argument naming the function, the
+// field, what it must be and what it is. A module call (module_call) refuses the fields that belong to
+// sdpa::attention alone.
+template <typename Scalar>
+void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>& o, bool module_call) {
+  const char* where = c.where;
+  const std::array<Eigen::Index, 4> full{c.batch, c.heads, c.nq, c.nk};
+  make_broadcast_view(o.attention_mask, full, where, "attention_mask");
+  make_broadcast_view(o.attention_weights, full, where, "attention_weights");
+  make_broadcast_view(o.attention_bias, full, where, "attention_bias");
+  if (o.window_left < -1)
+    throw_invalid(where, "window_left", "-1 (no window) or a non-negative number of keys", o.window_left);
+  if (o.window_right < -1)
+    throw_invalid(where, "window_right", "-1 (no window) or a non-negative number of keys", o.window_right);
+  if (!o.key_lengths.empty()) {
+    if (static_cast<Eigen::Index>(o.key_lengths.size()) != c.batch)
+      throw_invalid(where, "key_lengths", concat("empty or one length per batch entry (", c.batch, ")"),
+                    concat(o.key_lengths.size(), " lengths"));
+    for (std::size_t b = 0; b < o.key_lengths.size(); ++b)
+      if (o.key_lengths[b] < 0 || o.key_lengths[b] > c.nk)
+        throw_invalid(where, concat("key_lengths[", b, "]"), concat("in [0, ", c.nk, "]"), o.key_lengths[b]);
+  }
+  const auto per_head = [&](const std::vector<Scalar>& values, const char* name, const char* what) {
+    if (values.empty()) return;
+    if (static_cast<Eigen::Index>(values.size()) != c.heads)
+      throw_invalid(where, name, concat("empty or one ", what, " per query head (", c.heads, ")"),
+                    concat(values.size(), " values"));
+    for (std::size_t i = 0; i < values.size(); ++i)
+      if (!std::isfinite(values[i])) throw_invalid(where, concat(name, "[", i, "]"), "finite", values[i]);
+  };
+  per_head(o.alibi_slopes, "alibi_slopes", "slope");
+  per_head(o.sinks, "sinks", "logit");
+  if (!(std::isfinite(o.scale) && o.scale >= Scalar(0)))
+    throw_invalid(where, "scale", "0 (1 / sqrt(d_k)) or a finite positive factor", o.scale);
+  if (!(std::isfinite(o.softcap) && o.softcap >= Scalar(0)))
+    throw_invalid(where, "softcap", "0 (none) or a finite positive cap", o.softcap);
+  if (module_call) {
+    const char* own = nullptr;
+    if (o.layout != Layout::kBHND) own = "layout (the module's inputs are (batch, seq, d_model))";
+    else if (o.masked_rows != MaskedRows::kZero) own = "masked_rows (set_masked_rows sets the module's)";
+    else if (o.kernel != Kernel::kAuto) own = "kernel (set_kernel sets the module's)";
+    else if (o.dropout != Scalar(0) || o.dropout_seed != 0) own = "dropout, dropout_seed (the module has its own dropout)";
+    else if (o.rotary != nullptr) own = "rotary (set_rotary sets the module's)";
+    if (own != nullptr)
+      throw_invalid(where, own, "left at its default in a module call", "set: it is an option of sdpa::attention only");
+  } else {
+    if (!(std::isfinite(o.dropout) && o.dropout >= Scalar(0) && o.dropout <= Scalar(1)))
+      throw_invalid(where, "dropout", "a finite probability in [0, 1]", o.dropout);
+    if (o.rotary != nullptr) check_rotary(where, *o.rotary, c.d_k);
+  }
+}
+
+// The kernel problem of a checked call with nq queries at positions q + query_offset among nk keys: sizes,
+// scale, the broadcast views and the tensor-free options, the masked-row policy and whether causal holds
+// (a decoding step forces it). q, k, v, out and the dropout draw are the caller's.
+template <typename Scalar>
+kernels::AttentionProblem<Scalar> problem_of(const CallShape& c, const AttentionOptions<Scalar>& o, MaskedRows policy,
+                                             bool causal, Eigen::Index query_offset) {
+  kernels::AttentionProblem<Scalar> p;
+  const std::array<Eigen::Index, 4> full{c.batch, c.heads, c.nq, c.nk};
+  p.batch = c.batch;
+  p.heads = c.heads;
+  p.kv_group = c.kv_heads > 0 ? c.heads / c.kv_heads : 1;
+  p.nq = c.nq;
+  p.nk = c.nk;
+  p.d_k = c.d_k;
+  p.d_v = c.d_v;
+  p.scale = o.scale > Scalar(0) ? o.scale : Scalar(1) / std::sqrt(static_cast<Scalar>(c.d_k));
+  p.mask = make_broadcast_view(o.attention_mask, full, c.where, "attention_mask");
+  p.weights = make_broadcast_view(o.attention_weights, full, c.where, "attention_weights");
+  p.bias = make_broadcast_view(o.attention_bias, full, c.where, "attention_bias");
+  p.softcap = o.softcap;
+  p.alibi = o.alibi_slopes.empty() ? nullptr : o.alibi_slopes.data();
+  p.sinks = o.sinks.empty() ? nullptr : o.sinks.data();
+  p.causal = causal;
+  p.window_left = o.window_left;
+  p.window_right = o.window_right;
+  p.key_lengths = o.key_lengths.empty() ? nullptr : o.key_lengths.data();
+  p.query_offset = query_offset;
+  p.masked_rows = policy;
+  p.probabilities = o.probabilities != nullptr ? o.probabilities->data() : nullptr;
+  return p;
+}
+
+// Runs the forward kernel the choice names: the plain reference, the decoding kernel (kAuto with 16 queries
+// or fewer; its scratch in `workspace`, or a fresh one), or the tiled kernel.
+template <typename Scalar>
+void run_attention(const kernels::AttentionProblem<Scalar>& p, Kernel kernel,
+                   kernels::DecodeWorkspace<Scalar>* workspace, const Eigen::ThreadPoolDevice* device) {
+  if (kernel == Kernel::kReference) {
+    kernels::reference_attention(p, device);
+  } else if (kernel == Kernel::kAuto && kernels::decode_suits(p)) {
+    kernels::DecodeWorkspace<Scalar> local;
+    kernels::decode_attention(p, workspace != nullptr ? *workspace : local, device);
+  } else {
+    kernels::tiled_attention(p, device);
+  }
+}
+
+// The backward kernel for the same choice (the tiled backward for kAuto and kTiled).
+template <typename Scalar>
+void run_attention_backward(const kernels::BackwardProblem<Scalar>& bp, Kernel kernel,
+                            const Eigen::ThreadPoolDevice* device) {
+  if (kernel == Kernel::kReference)
+    kernels::reference_backward(bp, device);
+  else
+    kernels::tiled_backward(bp, device);
+}
+
+// The view of a head tensor in one of the two layouts: head h of row i of batch b.
+template <typename T>
+kernels::Heads<T> heads_of(T* data, const std::array<Eigen::Index, 4>& dims, Layout layout) {
+  // kBHND: (b, h, n, d); kBNHD: (b, n, h, d).
+  const Eigen::Index d = dims[3];
+  if (layout == Layout::kBHND) return {data, dims[1] * dims[2] * d, d, dims[2] * d};
+  return {data, dims[1] * dims[2] * d, dims[2] * d, d};
+}
+
+// The (batch, heads, seq, dim) sizes of a tensor of the given layout.
+inline std::array<Eigen::Index, 4> bhnd(const std::array<Eigen::Index, 4>& dims, Layout layout) {
+  return layout == Layout::kBHND ? dims : std::array<Eigen::Index, 4>{dims[0], dims[2], dims[1], dims[3]};
+}
+
+// One rank-4 input: read in place (a row-major Tensor or TensorMap of Scalar) or evaluated once.
+template <typename Scalar>
+class Input4 {
+ public:
+  template <typename T>
+  explicit Input4(const T& t) {
+    if constexpr (IsInPlace4<T>::value) {
+      data_ = t.data();
+      dims_ = {t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
+    } else {
+      owned_ = t;
+      data_ = owned_.data();
+      dims_ = {owned_.dimension(0), owned_.dimension(1), owned_.dimension(2), owned_.dimension(3)};
+    }
+  }
+  const Scalar* data() const noexcept { return data_; }
+  const std::array<Eigen::Index, 4>& dims() const noexcept { return dims_; }
+
+ private:
+  template <typename T>
+  struct IsInPlace4 : std::false_type {};
+  template <typename S, int Options, typename I>
+  struct IsInPlace4<Eigen::Tensor<S, 4, Options, I>> : std::integral_constant<bool, (Options & Eigen::RowMajor) != 0> {};
+  template <typename S, int Options, typename I, int MapOptions, template <class> class MakePointer>
+  struct IsInPlace4<Eigen::TensorMap<Eigen::Tensor<S, 4, Options, I>, MapOptions, MakePointer>>
+      : std::integral_constant<bool, (Options & Eigen::RowMajor) != 0> {};
+
+  Tensor4<Scalar> owned_;
+  const Scalar* data_ = nullptr;
+  std::array<Eigen::Index, 4> dims_{};
+};
+
+template <typename T>
+using ScalarOf = typename InputTraits<T>::Scalar;
+
+template <typename T, typename Scalar>
+constexpr bool is_valid_head_tensor() {
+  using Tr = InputTraits<T>;
+  return Tr::kIsTensor && Tr::kRank == 4 && Tr::kRowMajor && std::is_same<typename Tr::Scalar, Scalar>::value;
+}
+
+#define SDPA_DETAIL_CHECK_HEADS(T, Scalar)                                                                       \
+  static_assert(::sdpa::detail::InputTraits<T>::kIsTensor,                                                      \
+                "sdpa::attention: q, k and v must be Eigen tensors (Eigen::Tensor, Eigen::TensorMap or a tensor " \
+                "expression) of rank 4");                                                                        \
+  static_assert(!::sdpa::detail::InputTraits<T>::kIsTensor || ::sdpa::detail::InputTraits<T>::kRank == 4,        \
+                "sdpa::attention: q, k and v must be rank-4 tensors (batch, heads, seq, dim) or (batch, seq, "    \
+                "heads, dim)");                                                                                  \
+  static_assert(!::sdpa::detail::InputTraits<T>::kIsTensor ||                                                    \
+                    std::is_same<typename ::sdpa::detail::InputTraits<T>::Scalar, Scalar>::value,                \
+                "sdpa::attention: q, k and v must have the same scalar type (float or double)");                \
+  static_assert(!::sdpa::detail::InputTraits<T>::kIsTensor || ::sdpa::detail::InputTraits<T>::kRowMajor,        \
+                "sdpa::attention: q, k and v must be RowMajor (PyTorch memory order)")
+
+}  // namespace detail
+
+template <typename Scalar>
+class AttentionState;
+template <typename Scalar>
+struct AttentionGradients;
+
+namespace detail {
+template <typename Scalar>
+Tensor4<Scalar> attention_impl(const Input4<Scalar>& q, const Input4<Scalar>& k, const Input4<Scalar>& v,
+                               const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state);
+}  // namespace detail
+
+template <typename Scalar>
+AttentionGradients<Scalar> attention_backward(const Tensor4<Scalar>& grad_output, const AttentionState<Scalar>& state);
+
+// What attention_backward needs from one forward (O(N) memory: copies of q, k and v as the kernel read them,
+// rotated when a rotary was given; the output; each row's log-sum-exp; the options and the dropout draw;
+// never the probabilities). The mask, weights and bias tensors the options point to, and the device, must
+// stay alive and unchanged until attention_backward.
+template <typename Scalar>
+class AttentionState {
+ public:
+  AttentionState() = default;
+  AttentionState(AttentionState&&) noexcept = default;
+  AttentionState& operator=(AttentionState&&) noexcept = default;
+  AttentionState(const AttentionState&) = delete;
+  AttentionState& operator=(const AttentionState&) = delete;
+
+  bool empty() const noexcept { return !filled_; }
+
+ private:
+  template <typename S>
+  friend Tensor4<S> detail::attention_impl(const detail::Input4<S>&, const detail::Input4<S>&, const detail::Input4<S>&,
+                                           const AttentionOptions<S>&, AttentionState<S>*);
+  template <typename S>
+  friend AttentionGradients<S> attention_backward(const Tensor4<S>&, const AttentionState<S>&);
+
+  bool filled_ = false;
+  detail::CallShape shape_;
+  std::array<Eigen::Index, 4> q_dims_{}, k_dims_{}, v_dims_{};
+  Tensor4<Scalar> q_, k_, v_, out_;
+  std::vector<Scalar> lse_;
+  AttentionOptions<Scalar> options_;  // without probabilities and rotary (the copy below)
+  Rotary rotary_;
+  bool has_rotary_ = false;
+  bool dropout_ = false;
+  DropoutSampler sampler_{0, 0, 0.0};
+  Scalar keep_scale_ = Scalar(1);
+};
+
+// The gradients of attention's inputs: q, k, v in their shapes and layout; the attention_weights' and
+// attention_bias' in their broadcast shapes (empty when not given); one per query head for the sinks
+// (empty when not given).
+template <typename Scalar>
+struct AttentionGradients {
+  Tensor4<Scalar> q, k, v;
+  Tensor4<Scalar> attention_weights, attention_bias;
+  std::vector<Scalar> sinks;
+};
+
+// Attention of q over k and v (see the header comment for the shapes); every AttentionOptions field
+// applies. Returns q's layout with d_v features.
+template <typename Q, typename K, typename V>
+Tensor4<detail::ScalarOf<Q>> attention(const Q& q, const K& k, const V& v,
+                                       const AttentionOptions<detail::ScalarOf<Q>>& options,
+                                       AttentionState<detail::ScalarOf<Q>>& state);
+
+template <typename Q, typename K, typename V>
+Tensor4<detail::ScalarOf<Q>> attention(const Q& q, const K& k, const V& v,
+                                       const AttentionOptions<detail::ScalarOf<Q>>& options = {}) {
+  using Scalar = detail::ScalarOf<Q>;
+  SDPA_DETAIL_CHECK_HEADS(Q, Scalar);
+  SDPA_DETAIL_CHECK_HEADS(K, Scalar);
+  SDPA_DETAIL_CHECK_HEADS(V, Scalar);
+  if constexpr (detail::is_valid_head_tensor<Q, Scalar>() && detail::is_valid_head_tensor<K, Scalar>() &&
+                detail::is_valid_head_tensor<V, Scalar>()) {
+    const detail::Input4<Scalar> qi(q), ki(k), vi(v);
+    return detail::attention_impl(qi, ki, vi, options, static_cast<AttentionState<Scalar>*>(nullptr));
+  } else {
+    return Tensor4<Scalar>();
+  }
+}
+
+// The same, keeping in `state` what attention_backward needs.
+template <typename Q, typename K, typename V>
+Tensor4<detail::ScalarOf<Q>> attention(const Q& q, const K& k, const V& v,
+                                       const AttentionOptions<detail::ScalarOf<Q>>& options,
+                                       AttentionState<detail::ScalarOf<Q>>& state) {
+  using Scalar = detail::ScalarOf<Q>;
+  SDPA_DETAIL_CHECK_HEADS(Q, Scalar);
+  SDPA_DETAIL_CHECK_HEADS(K, Scalar);
+  SDPA_DETAIL_CHECK_HEADS(V, Scalar);
+  if constexpr (detail::is_valid_head_tensor<Q, Scalar>() && detail::is_valid_head_tensor<K, Scalar>() &&
+                detail::is_valid_head_tensor<V, Scalar>()) {
+    const detail::Input4<Scalar> qi(q), ki(k), vi(v);
+    return detail::attention_impl(qi, ki, vi, options, &state);
+  } else {
+    return Tensor4<Scalar>();
+  }
+}
+
+namespace detail {
+
+// The checks and the kernel run of both attention overloads; state (optional) is filled for a backward.
+template <typename Scalar>
+Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& ki, const Input4<Scalar>& vi,
+                               const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state) {
+  using Index = Eigen::Index;
+  const char* where = "attention";
+  const Layout layout = options.layout;
+  const std::array<Index, 4> qd = bhnd(qi.dims(), layout), kd = bhnd(ki.dims(), layout), vd = bhnd(vi.dims(), layout);
+  const auto shape = [&](const Input4<Scalar>& t) { return shape_string(t.dims()); };
+  const char* axes = layout == Layout::kBHND ? "(batch, heads, seq, dim)" : "(batch, seq, heads, dim)";
+  const int seq_axis = layout == Layout::kBHND ? 2 : 1, head_axis = layout == Layout::kBHND ? 1 : 2;
+  // Shapes.
+  for (const auto& [name, d, t] : {std::make_tuple("k", kd, &ki), std::make_tuple("v", vd, &vi)}) {
+    if (d[0] != qd[0])
+      throw_invalid(where, concat(name, " dimension 0 (batch)"), concat(qd[0], ", the batch of q"),
+                    concat(d[0], " (", name, " shape ", shape(*t), ", ", axes, ")"));
+  }
+  if (kd[1] != vd[1])
+    throw_invalid(where, concat("v dimension ", head_axis, " (key/value heads)"), concat(kd[1], ", the heads of k"),
+                  concat(vd[1], " (v shape ", shape(vi), ")"));
+  if (kd[2] != vd[2])
+    throw_invalid(where, concat("v dimension ", seq_axis, " (keys)"), concat(kd[2], ", the keys of k"),
+                  concat(vd[2], " (v shape ", shape(vi), ")"));
+  if (kd[3] != qd[3])
+    throw_invalid(where, "k dimension 3 (d_k)", concat(qd[3], ", the d_k of q"), concat(kd[3], " (k shape ", shape(ki), ")"));
+  if (kd[1] <= 0 && qd[1] > 0)
+    throw_invalid(where, concat("k dimension ", head_axis, " (key/value heads)"), "positive", kd[1]);
+  if (kd[1] > 0 && (qd[1] % kd[1] != 0))
+    throw_invalid(where, concat("k dimension ", head_axis, " (key/value heads)"),
+                  concat("a divisor of the query heads, ", qd[1]), concat(kd[1], " (k shape ", shape(ki), ")"));
+  for (const Input4<Scalar>* t : {&qi, &ki, &vi}) {
+    const auto& d = t->dims();
+    if (t->data() == nullptr && d[0] * d[1] * d[2] * d[3] != 0)
+      throw_invalid(where, t == &qi ? "q" : t == &ki ? "k" : "v", "a tensor with data", "a null pointer");
+  }
+  CallShape c;
+  c.where = where;
+  c.batch = qd[0];
+  c.heads = qd[1];
+  c.kv_heads = kd[1];
+  c.nq = qd[2];
+  c.nk = kd[2];
+  c.d_k = qd[3];
+  c.d_v = vd[3];
+  check_attention_options(c, options, /*module_call=*/false);
+
+  // Checked: from here on nothing throws but an allocation failure.
+  const std::array<Index, 4> out_dims =
+      layout == Layout::kBHND ? std::array<Index, 4>{c.batch, c.heads, c.nq, c.d_v}
+                              : std::array<Index, 4>{c.batch, c.nq, c.heads, c.d_v};
+  Tensor4<Scalar> out(out_dims);
+  if (options.probabilities != nullptr) options.probabilities->resize(c.batch, c.heads, c.nq, c.nk);
+  // Rotary: rotated copies of q and k (positions q' = q + nk - nq and k).
+  Tensor4<Scalar> q_rot, k_rot;
+  const Scalar* qp = qi.data();
+  const Scalar* kp = ki.data();
+  if (options.rotary != nullptr) {
+    q_rot = Tensor4<Scalar>(qi.dims());
+    k_rot = Tensor4<Scalar>(ki.dims());
+    if (q_rot.size() > 0) std::copy_n(qp, q_rot.size(), q_rot.data());
+    if (k_rot.size() > 0) std::copy_n(kp, k_rot.size(), k_rot.data());
+    const auto rotate = [&](Tensor4<Scalar>& t, Index heads, Index n, Index first) {
+      const kernels::Heads<Scalar> h = heads_of(t.data(), t.dimensions(), layout);
+      for (Index b = 0; b < c.batch; ++b)
+        apply_rotary(*options.rotary, h.row(b, 0, 0), n, h.row_stride, heads, h.head_stride, c.d_k, first);
+    };
+    if (q_rot.size() > 0) rotate(q_rot, c.heads, c.nq, c.nk - c.nq);
+    if (k_rot.size() > 0) rotate(k_rot, c.kv_heads, c.nk, 0);
+    qp = q_rot.data();
+    kp = k_rot.data();
+  }
+  kernels::AttentionProblem<Scalar> p = problem_of(c, options, options.masked_rows, options.causal, c.nk - c.nq);
+  p.q = heads_of(qp, qi.dims(), layout);
+  p.k = heads_of(kp, ki.dims(), layout);
+  p.v = heads_of(vi.data(), vi.dims(), layout);
+  p.out = heads_of(out.data(), out.dimensions(), layout);
+  if (options.dropout > Scalar(0)) {
+    p.dropout = true;
+    p.sampler = DropoutSampler(options.dropout_seed, 0, static_cast<double>(options.dropout));
+    p.keep_scale = options.dropout >= Scalar(1) ? Scalar(0) : Scalar(1) / (Scalar(1) - options.dropout);
+  }
+  std::vector<Scalar> lse;
+  if (state != nullptr) {
+    lse.resize(static_cast<std::size_t>(c.batch * c.heads * c.nq));
+    p.lse = lse.data();
+  }
+  if (c.batch * c.heads * c.nq > 0)
+    run_attention(p, options.kernel, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), options.device);
+
+  if (state != nullptr) {
+    AttentionState<Scalar>& s = *state;
+    s = AttentionState<Scalar>();
+    s.filled_ = true;
+    s.shape_ = c;
+    s.q_dims_ = qi.dims();
+    s.k_dims_ = ki.dims();
+    s.v_dims_ = vi.dims();
+    const auto copy = [](const Scalar* data, const std::array<Index, 4>& dims, Tensor4<Scalar>& into) {
+      into = Tensor4<Scalar>(dims);
+      if (into.size() > 0) std::copy_n(data, into.size(), into.data());
+    };
+    if (options.rotary != nullptr) {
+      s.q_ = std::move(q_rot);
+      s.k_ = std::move(k_rot);
+      s.rotary_ = *options.rotary;
+      s.has_rotary_ = true;
+    } else {
+      copy(qi.data(), qi.dims(), s.q_);
+      copy(ki.data(), ki.dims(), s.k_);
+    }
+    copy(vi.data(), vi.dims(), s.v_);
+    copy(out.data(), out.dimensions(), s.out_);
+    s.lse_ = std::move(lse);
+    s.options_ = options;
+    s.options_.probabilities = nullptr;
+    s.options_.rotary = nullptr;
+    s.dropout_ = p.dropout;
+    s.sampler_ = p.sampler;
+    s.keep_scale_ = p.keep_scale;
+  }
+  return out;
+}
+
+}  // namespace detail
+
+// d loss / d (q, k, v, weights, bias, sinks) of the forward that filled `state`, given grad_output =
+// d loss / d (its output), of the output's shape: FlashAttention 2's backward (probabilities recomputed
+// from each row's log-sum-exp, dropout replayed); the key/value gradients of a group of query heads are
+// summed in head order. Runs on the device of the forward's options. The same bits on any thread count.
+template <typename Scalar>
+AttentionGradients<Scalar> attention_backward(const Tensor4<Scalar>& grad_output, const AttentionState<Scalar>& s) {
+  using Index = Eigen::Index;
+  const char* where = "attention_backward";
+  if (s.empty())
+    throw std::logic_error("sdpa::attention_backward: the state is empty: pass the state that attention(q, k, v, options, "
+                           "state) filled");
+  const detail::CallShape& c = s.shape_;
+  const AttentionOptions<Scalar>& o = s.options_;
+  const Layout layout = o.layout;
+  const std::array<Index, 4> want = s.out_.dimensions();
+  for (std::size_t i = 0; i < 4; ++i)
+    if (grad_output.dimension(i) != want[i])
+      detail::throw_invalid(where, "grad_output", detail::concat("of the forward's output shape ", detail::shape_string(want)),
+                            detail::concat("of shape ", detail::shape_string(grad_output.dimensions())));
+  detail::CallShape checked = c;
+  checked.where = where;
+  // The tensors the options point to must still have the shapes they had.
+  detail::check_attention_options(checked, o, /*module_call=*/false);
+
+  AttentionGradients<Scalar> g;
+  g.q = Tensor4<Scalar>(s.q_dims_);
+  g.k = Tensor4<Scalar>(s.k_dims_);
+  g.v = Tensor4<Scalar>(s.v_dims_);
+  if (o.attention_weights != nullptr) g.attention_weights = Tensor4<Scalar>(o.attention_weights->dimensions());
+  if (o.attention_bias != nullptr) g.attention_bias = Tensor4<Scalar>(o.attention_bias->dimensions());
+  if (!o.sinks.empty()) g.sinks.assign(o.sinks.size(), Scalar(0));
+
+  kernels::AttentionProblem<Scalar> p = detail::problem_of(checked, o, o.masked_rows, o.causal, c.nk - c.nq);
+  p.probabilities = nullptr;
+  p.q = detail::heads_of(s.q_.data(), s.q_.dimensions(), layout);
+  p.k = detail::heads_of(s.k_.data(), s.k_.dimensions(), layout);
+  p.v = detail::heads_of(s.v_.data(), s.v_.dimensions(), layout);
+  p.out = detail::heads_of(const_cast<Scalar*>(s.out_.data()), s.out_.dimensions(), layout);
+  p.lse = const_cast<Scalar*>(s.lse_.data());
+  p.dropout = s.dropout_;
+  p.sampler = s.sampler_;
+  p.keep_scale = s.keep_scale_;
+  kernels::BackwardProblem<Scalar> bp;
+  bp.forward = &p;
+  bp.d_out = detail::heads_of(grad_output.data(), grad_output.dimensions(), layout);
+  bp.d_q = detail::heads_of(g.q.data(), g.q.dimensions(), layout);
+  bp.d_k = detail::heads_of(g.k.data(), g.k.dimensions(), layout);
+  bp.d_v = detail::heads_of(g.v.data(), g.v.dimensions(), layout);
+  if (p.weights) {
+    bp.d_weights = g.attention_weights.data();
+    for (std::size_t i = 0; i < 4; ++i) bp.weights_dims[i] = g.attention_weights.dimension(i);
+  }
+  if (p.bias) {
+    bp.d_bias = g.attention_bias.data();
+    for (std::size_t i = 0; i < 4; ++i) bp.bias_dims[i] = g.attention_bias.dimension(i);
+  }
+  if (p.sinks != nullptr) bp.d_sinks = g.sinks.data();
+  if (c.batch > 0 && c.heads > 0) {
+    detail::run_attention_backward(bp, o.kernel, o.device);
+  } else {
+    if (g.q.size() > 0) g.q.setZero();
+    if (g.k.size() > 0) g.k.setZero();
+    if (g.v.size() > 0) g.v.setZero();
+  }
+  // The gradients of the rotated q and k, rotated back.
+  if (s.has_rotary_) {
+    const auto unrotate = [&](Tensor4<Scalar>& t, Index heads, Index n, Index first) {
+      if (t.size() == 0) return;
+      const kernels::Heads<Scalar> h = detail::heads_of(t.data(), t.dimensions(), layout);
+      for (Index b = 0; b < c.batch; ++b)
+        apply_rotary(s.rotary_, h.row(b, 0, 0), n, h.row_stride, heads, h.head_stride, c.d_k, first, /*inverse=*/true);
+    };
+    unrotate(g.q, c.heads, c.nq, c.nk - c.nq);
+    unrotate(g.k, c.kv_heads, c.nk, 0);
+  }
+  return g;
+}
+
+SDPA_NAMESPACE_END

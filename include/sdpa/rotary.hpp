@@ -1,0 +1,189 @@
+// Rotary position embeddings (RoPE, Su et al. 2021), as Llama, Mistral, Qwen, Gemma, GPT-NeoX and GPT-J use
+// them: the first `dim` features of every query and key head are rotated in pairs by angles proportional to
+// the token's position, so that q . k depends on their distance only. A property of the model: a module's
+// rotary (ScaledDotProductAttention::set_rotary) rotates its queries and keys at their positions (keys once,
+// before they enter a cache, at their absolute positions), and sdpa::attention takes one in its options.
+// The long-context scalings follow Hugging Face's rope_type "linear", "llama3" and "yarn"
+// (transformers' _compute_*_parameters).
+//
+// Pair m of a head, angle = position * inv_freq[m], c = cos(angle) * attention_factor, s = sin(angle) *
+// attention_factor:
+//   half-split (interleaved = false; Llama, NeoX, rotate_half): x[m], x[m + dim/2]
+//   interleaved (true; GPT-J):                                 x[2m], x[2m + 1]
+//   (a, b) -> (a c - b s, b c + a s); features past dim pass through.
+// inv_freq[m] = theta^(-2m / dim) unless given. The angle is position * inv_freq rounded to Scalar, as
+// transformers computes it in the model's dtype, then its cosine and sine.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "sdpa/error.hpp"
+
+SDPA_NAMESPACE_BEGIN
+
+struct Rotary {
+  Eigen::Index dim = 0;          // rotated features at the start of each head, even, <= d_k; 0 = d_k
+  bool interleaved = false;      // false: half-split pairs (m, m + dim/2); true: (2m, 2m + 1)
+  double theta = 10000;
+  std::vector<double> inv_freq;  // empty: theta^(-2m/dim); else dim/2 frequencies
+  double attention_factor = 1;   // cos and sin multiplied by it (YaRN)
+
+  // The features rotated in a head of d_k features.
+  Eigen::Index rotated(Eigen::Index d_k) const noexcept { return dim == 0 ? d_k : dim; }
+
+  // The frequencies for a head of d_k features: inv_freq, or theta^(-2m/dim).
+  std::vector<double> frequencies(Eigen::Index d_k) const {
+    const Eigen::Index n = rotated(d_k);
+    if (!inv_freq.empty()) return inv_freq;
+    std::vector<double> f(static_cast<std::size_t>(n / 2));
+    for (Eigen::Index m = 0; m < n / 2; ++m)
+      f[static_cast<std::size_t>(m)] = 1.0 / std::pow(theta, static_cast<double>(2 * m) / static_cast<double>(n));
+    return f;
+  }
+};
+
+namespace detail {
+
+// Refuses a rotary that does not fit heads of d_k features: std::invalid_argument naming the field.
+inline void check_rotary(const char* where, const Rotary& r, Eigen::Index d_k) {
+  if (r.dim < 0 || r.dim % 2 != 0 || r.dim > d_k)
+    throw_invalid(where, "rotary.dim", concat("0 (all of d_k) or an even number of features at most d_k = ", d_k), r.dim);
+  const Eigen::Index n = r.rotated(d_k);
+  if (n % 2 != 0) throw_invalid(where, "rotary.dim", concat("even (0 means d_k, which is ", d_k, ")"), n);
+  if (!(std::isfinite(r.theta) && r.theta > 0)) throw_invalid(where, "rotary.theta", "a finite positive base", r.theta);
+  if (!r.inv_freq.empty() && static_cast<Eigen::Index>(r.inv_freq.size()) != n / 2)
+    throw_invalid(where, "rotary.inv_freq", concat("empty or dim / 2 = ", n / 2, " frequencies"),
+                  concat(r.inv_freq.size(), " frequencies"));
+  for (std::size_t i = 0; i < r.inv_freq.size(); ++i)
+    if (!std::isfinite(r.inv_freq[i])) throw_invalid(where, concat("rotary.inv_freq[", i, "]"), "finite", r.inv_freq[i]);
+  if (!std::isfinite(r.attention_factor))
+    throw_invalid(where, "rotary.attention_factor", "finite", r.attention_factor);
+}
+
+// The cosines and sines of one position for every pair, times the attention factor.
+template <typename Scalar>
+void rotary_angles(const std::vector<Scalar>& inv_freq, double factor, Eigen::Index position, Scalar* cos_out,
+                   Scalar* sin_out) {
+  const Scalar pos = static_cast<Scalar>(position);
+  for (std::size_t m = 0; m < inv_freq.size(); ++m) {
+    const Scalar angle = pos * inv_freq[m];  // rounded as the model's dtype rounds it
+    cos_out[m] = static_cast<Scalar>(std::cos(static_cast<double>(angle)) * factor);
+    sin_out[m] = static_cast<Scalar>(std::sin(static_cast<double>(angle)) * factor);
+  }
+}
+
+}  // namespace detail
+
+// Rotates rows in place: row i (i < rows) of `x` holds `heads` heads of d_k features, head h of row i at
+// x + i * row_stride + h * head_stride, at position first_position + i. inverse: rotate by -angle (the
+// transpose, for gradients), with the same factor.
+template <typename Scalar>
+void apply_rotary(const Rotary& r, Scalar* x, Eigen::Index rows, Eigen::Index row_stride, Eigen::Index heads,
+                  Eigen::Index head_stride, Eigen::Index d_k, Eigen::Index first_position, bool inverse = false) {
+  const Eigen::Index n = r.rotated(d_k), half = n / 2;
+  if (rows <= 0 || heads <= 0 || half == 0) return;
+  const std::vector<double> freq = r.frequencies(d_k);
+  std::vector<Scalar> inv_freq(freq.begin(), freq.end()), c(static_cast<std::size_t>(half)), s(c.size());
+  const Eigen::Index lo_stride = r.interleaved ? 2 : 1, hi_offset = r.interleaved ? 1 : half;
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    detail::rotary_angles(inv_freq, r.attention_factor, first_position + i, c.data(), s.data());
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      Scalar* v = x + i * row_stride + h * head_stride;
+      for (Eigen::Index m = 0; m < half; ++m) {
+        Scalar& a = v[m * lo_stride];
+        Scalar& b = v[m * lo_stride + hi_offset];
+        const Scalar cm = c[static_cast<std::size_t>(m)];
+        const Scalar sm = inverse ? -s[static_cast<std::size_t>(m)] : s[static_cast<std::size_t>(m)];
+        const Scalar a0 = a, b0 = b;
+        a = a0 * cm - b0 * sm;
+        b = b0 * cm + a0 * sm;
+      }
+    }
+  }
+}
+
+// The default frequencies with every position divided by `factor` (rope_type "linear").
+inline Rotary rope_linear(Eigen::Index dim, double theta, double factor) {
+  if (dim <= 0 || dim % 2 != 0) detail::throw_invalid("rope_linear", "dim", "a positive even number of features", dim);
+  if (!(std::isfinite(factor) && factor > 0)) detail::throw_invalid("rope_linear", "factor", "finite and positive", factor);
+  Rotary r;
+  r.dim = dim;
+  r.theta = theta;
+  r.inv_freq = r.frequencies(dim);
+  for (double& f : r.inv_freq) f /= factor;
+  return r;
+}
+
+// Llama 3.1's scaling (rope_type "llama3"): wavelengths above original_max_positions / low_freq_factor are
+// divided by factor, those below original_max_positions / high_freq_factor kept, the ones between blended.
+inline Rotary rope_llama3(Eigen::Index dim, double theta, double factor, double low_freq_factor,
+                          double high_freq_factor, Eigen::Index original_max_positions) {
+  const char* where = "rope_llama3";
+  if (dim <= 0 || dim % 2 != 0) detail::throw_invalid(where, "dim", "a positive even number of features", dim);
+  if (!(std::isfinite(factor) && factor > 0)) detail::throw_invalid(where, "factor", "finite and positive", factor);
+  if (!(std::isfinite(low_freq_factor) && std::isfinite(high_freq_factor) && high_freq_factor > low_freq_factor))
+    detail::throw_invalid(where, "high_freq_factor", detail::concat("finite and above low_freq_factor = ", low_freq_factor),
+                          high_freq_factor);
+  if (original_max_positions <= 0)
+    detail::throw_invalid(where, "original_max_positions", "positive", original_max_positions);
+  Rotary r;
+  r.dim = dim;
+  r.theta = theta;
+  const std::vector<double> base = r.frequencies(dim);
+  const double old = static_cast<double>(original_max_positions);
+  const double low_wavelen = old / low_freq_factor, high_wavelen = old / high_freq_factor;
+  const double pi = 3.14159265358979323846;
+  r.inv_freq = base;
+  for (double& f : r.inv_freq) {
+    const double wavelen = 2 * pi / f;
+    if (wavelen > low_wavelen) {
+      f = f / factor;
+    } else if (!(wavelen < high_wavelen)) {
+      const double smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+      f = (1 - smooth) * f / factor + smooth * f;
+    }
+  }
+  return r;
+}
+
+// YaRN (Peng et al. 2023; rope_type "yarn", beta_fast 32, beta_slow 1, truncated correction range): each
+// frequency blends interpolation (divided by factor) and extrapolation by where its wavelength falls
+// against original_max_positions, and the attention factor is 0.1 ln(factor) + 1.
+inline Rotary rope_yarn(Eigen::Index dim, double theta, double factor, Eigen::Index original_max_positions) {
+  const char* where = "rope_yarn";
+  if (dim <= 0 || dim % 2 != 0) detail::throw_invalid(where, "dim", "a positive even number of features", dim);
+  if (!(std::isfinite(factor) && factor > 0)) detail::throw_invalid(where, "factor", "finite and positive", factor);
+  if (original_max_positions <= 0)
+    detail::throw_invalid(where, "original_max_positions", "positive", original_max_positions);
+  const double pi = 3.14159265358979323846, beta_fast = 32, beta_slow = 1;
+  const double d = static_cast<double>(dim), max_pos = static_cast<double>(original_max_positions);
+  const auto correction_dim = [&](double rotations) {
+    return d * std::log(max_pos / (rotations * 2 * pi)) / (2 * std::log(theta));
+  };
+  const double low = std::max(std::floor(correction_dim(beta_fast)), 0.0);
+  double high = std::min(std::ceil(correction_dim(beta_slow)), d - 1);
+  if (low == high) high += 0.001;
+  Rotary r;
+  r.dim = dim;
+  r.theta = theta;
+  r.inv_freq.resize(static_cast<std::size_t>(dim / 2));
+  for (Eigen::Index m = 0; m < dim / 2; ++m) {
+    const double pos_freq = std::pow(theta, static_cast<double>(2 * m) / d);
+    const double extrapolation = 1.0 / pos_freq, interpolation = 1.0 / (factor * pos_freq);
+    const double ramp = std::clamp((static_cast<double>(m) - low) / (high - low), 0.0, 1.0);
+    const double extrapolation_factor = 1 - ramp;
+    r.inv_freq[static_cast<std::size_t>(m)] =
+        interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor;
+  }
+  r.attention_factor = factor <= 1 ? 1.0 : 0.1 * std::log(factor) + 1.0;
+  return r;
+}
+
+SDPA_NAMESPACE_END
