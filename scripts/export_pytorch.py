@@ -162,13 +162,15 @@ def load_safetensors(path):
 def sdpa_shape_metadata(module, prefix=""):
     """The metadata sdpa's save_safetensors writes for each ScaledDotProductAttention in a module (any
     module with d_model, d_k, d_v, h and fc_q): "<its state_dict prefix>sdpa.d_model" etc., which sdpa's
-    load_safetensors checks against the module it loads into."""
+    load_safetensors checks against the module it loads into; sdpa.kv_heads is the module's kv_heads, or h
+    for the original module."""
     out = {}
     for name, m in module.named_modules():
         if all(hasattr(m, a) for a in ("d_model", "d_k", "d_v", "h", "fc_q")):
             base = prefix + (name + "." if name else "")
             for a in ("d_model", "d_k", "d_v", "h"):
                 out[f"{base}sdpa.{a}"] = str(int(getattr(m, a)))
+            out[f"{base}sdpa.kv_heads"] = str(int(getattr(m, "kv_heads", m.h)))
     return out
 
 

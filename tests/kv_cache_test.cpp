@@ -325,7 +325,7 @@ TYPED_TEST(KVCacheTest, RefusalsLeaveTheCacheUnchanged) {
   expect_invalid([&] { m.append(TestFixture::random3(rng, 2, 1, 16), TestFixture::random3(rng, 2, 2, 16), cache); },
                  {"values dimension 1", "1"});
   const typename TestFixture::Module other(16, 2, 6, 4);  // same h * d_k, other h
-  expect_invalid([&] { other.step(TestFixture::random3(rng, 2, 1, 16), cache); }, {"cache", "h 4", "h 2"});
+  expect_invalid([&] { other.step(TestFixture::random3(rng, 2, 1, 16), cache); }, {"cache", "kv_heads 4", "kv_heads 2"});
   typename TestFixture::Options o;
   o.alibi_slopes = {T(1)};
   expect_invalid([&] { m.step(TestFixture::random3(rng, 2, 1, 16), cache, o); }, {"alibi_slopes"});

@@ -195,7 +195,7 @@ void round_trip() {
   const SafetensorsFile file = sdpa::read_safetensors(path);
   std::map<std::string, std::string> expected_metadata = metadata;  // and the module's shape
   expected_metadata.insert({{"model.attn.sdpa.d_model", "8"}, {"model.attn.sdpa.d_k", "3"},
-                            {"model.attn.sdpa.d_v", "5"}, {"model.attn.sdpa.h", "2"}});
+                            {"model.attn.sdpa.d_v", "5"}, {"model.attn.sdpa.h", "2"}, {"model.attn.sdpa.kv_heads", "2"}});
   EXPECT_EQ(file.metadata, expected_metadata);
   ASSERT_EQ(file.tensors.size(), 8u);
   for (const auto& t : file.tensors) {
@@ -216,7 +216,7 @@ TEST(SafetensorsRoundTrip, LayoutIsTheReferences) {
   EXPECT_EQ(file.header_size % 8, 0u);
   const std::string header(bytes.begin() + 8, bytes.begin() + 8 + static_cast<long>(file.header_size));
   EXPECT_EQ(header.rfind("{\"__metadata__\":{\"k\":\"v\",\"p.sdpa.d_k\":\"2\",\"p.sdpa.d_model\":\"4\",\"p.sdpa.d_v\":\"3\","
-                         "\"p.sdpa.h\":\"2\"},\"p.fc_k.bias\":{\"dtype\":\"F32\",\"shape\":[4],"
+                         "\"p.sdpa.h\":\"2\",\"p.sdpa.kv_heads\":\"2\"},\"p.fc_k.bias\":{\"dtype\":\"F32\",\"shape\":[4],"
                          "\"data_offsets\":[0,16]},",
                          0),
             0u)
@@ -784,7 +784,7 @@ TEST(SafetensorsKVCache, RoundTripResumesExactly) {
   for (Eigen::Index i = 0; i < a.size(); ++i) ASSERT_EQ(a.data()[i], b.data()[i]) << i;
   const SafetensorsFile file = sdpa::read_safetensors(path);
   EXPECT_EQ(file.metadata.at("sdpa.kv_cache.position"), "9");
-  EXPECT_EQ(file.metadata.at("sdpa.h"), "2");
+  EXPECT_EQ(file.metadata.at("sdpa.kv_heads"), "2");  // the heads the cache holds
   ASSERT_NE(file.find("kv_cache.keys"), nullptr);
   EXPECT_EQ(file.find("kv_cache.keys")->shape, (std::vector<Eigen::Index>{3, 9, 8}));
   EXPECT_EQ(file.find("kv_cache.values")->shape, (std::vector<Eigen::Index>{3, 9, 12}));
@@ -806,5 +806,37 @@ TEST(SafetensorsKVCache, RoundTripResumesExactly) {
   // A module's weight file is not a cache.
   const auto weights = sdpa::save_safetensors_to_memory(m);
   EXPECT_THROW(sdpa::load_kv_cache_from_memory(parked, weights.data(), weights.size(), "weights"), SafetensorsError);
+}
+
+// Grouped-query heads: a module's file records kv_heads; a cache holds and saves kv_heads heads, and a cache
+// of another kv_heads refuses it.
+TEST(SafetensorsKVCache, GroupedQueryHeads) {
+  ScaledDotProductAttention<float> m(16, 4, 6, 4, 0.0f, /*kv_heads=*/2);
+  m.eval();
+  const auto weights = sdpa::save_safetensors_to_memory(m, "l.");
+  const SafetensorsFile wf = sdpa::parse_safetensors(weights.data(), weights.size(), "weights");
+  EXPECT_EQ(wf.metadata.at("l.sdpa.kv_heads"), "2");
+  EXPECT_EQ(wf.find("l.fc_k.weight")->shape, (std::vector<Eigen::Index>{8, 16}));
+  ScaledDotProductAttention<float> copy(16, 4, 6, 4, 0.0f, 2);
+  EXPECT_NO_THROW(sdpa::load_safetensors(copy, wf, "l."));
+  Eigen::Tensor<float, 3, Eigen::RowMajor> x(1, 5, 16);
+  x.setRandom();
+  sdpa::KVCache<float> cache(m, 1);
+  (void)m.step(x, cache);
+  const auto bytes = sdpa::save_kv_cache_to_memory(cache);
+  const SafetensorsFile cf = sdpa::parse_safetensors(bytes.data(), bytes.size(), "cache");
+  EXPECT_EQ(cf.metadata.at("sdpa.kv_heads"), "2");
+  EXPECT_EQ(cf.find("kv_cache.keys")->shape, (std::vector<Eigen::Index>{1, 5, 8}));
+  sdpa::KVCache<float> resumed(m, 1);
+  sdpa::load_kv_cache_from_memory(resumed, bytes.data(), bytes.size(), "cache");
+  EXPECT_EQ(resumed.size(), 5);
+  ScaledDotProductAttention<float> mha(16, 2, 6, 4);  // kv_heads 4 of d_k 2: the same key width, 8
+  sdpa::KVCache<float> wrong(mha, 1);
+  try {
+    sdpa::load_kv_cache_from_memory(wrong, bytes.data(), bytes.size(), "cache");
+    ADD_FAILURE() << "not refused";
+  } catch (const SafetensorsError& e) {
+    EXPECT_NE(std::string(e.what()).find("d_k = 4"), std::string::npos) << e.what();
+  }
 }
 }  // namespace safetensors_test

@@ -79,7 +79,7 @@ void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>&
     if (values.empty()) return;
     if (static_cast<Eigen::Index>(values.size()) != c.heads)
       throw_invalid(where, name, concat("empty or one ", what, " per query head (", c.heads, ")"),
-                    concat(values.size(), " values"));
+                    concat(values.size(), " ", what, "s"));
     for (std::size_t i = 0; i < values.size(); ++i)
       if (!std::isfinite(values[i])) throw_invalid(where, concat(name, "[", i, "]"), "finite", values[i]);
   };
