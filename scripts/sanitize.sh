@@ -2,7 +2,8 @@
 # The test suite under AddressSanitizer + UndefinedBehaviorSanitizer (any report fails the run): g++ over
 # every test group and every instruction-set path the CPU has (ctest's quick label, examples aside), then
 # clang++ (whose UBSan also checks pointer arithmetic, e.g. an offset applied to a null pointer) over the
-# kernels, the cache and the module on the default path; then the concurrency tests under ThreadSanitizer.
+# kernels and the cache (kernel_tests) on the default path; then the concurrency tests under
+# ThreadSanitizer.
 # At -O1 with line tables: the instrumented suite compiles in a fraction of -O2 -g's time and runs about
 # as fast. Consumer projects are left to the plain build.
 set -euo pipefail
@@ -27,11 +28,11 @@ flags="-O1 -g1 -fno-omit-frame-pointer" configure "$dir" g++ "$asan"
 cmake --build "$dir" -j "$jobs"
 ctest --test-dir "$dir" --output-on-failure -j "$jobs" -L quick
 
-echo "sanitize.sh: ASan + UBSan, clang++-14 (kernels, cache, module, default path)"
+echo "sanitize.sh: ASan + UBSan, clang++-14 (the kernels and the cache: kernel_tests, default path)"
 dir=${SDPA_ASAN_CLANG_BUILD_DIR:-$root/build-asan-clang}
 configure "$dir" clang++-14 "$asan"
-cmake --build "$dir" -j "$jobs" --target tiled_test backward_test kv_cache_test module_tests
-for t in tiled_test backward_test kv_cache_test module_tests; do "$dir/tests/$t" --gtest_brief=1; done
+cmake --build "$dir" -j "$jobs" --target kernel_tests
+"$dir/tests/kernel_tests" --gtest_brief=1
 
 echo "sanitize.sh: TSan, concurrency and parallel_for tests"
 dir=${SDPA_TSAN_BUILD_DIR:-$root/build-tsan}
