@@ -23,7 +23,7 @@ mkdir -p "$work"
 # SDPA_EMULATED_X86_BUILD names it, as CI does; otherwise a build of its own.
 x86=${SDPA_EMULATED_X86_BUILD:-$work/x86-64}
 if [ -z "${SDPA_EMULATED_X86_BUILD:-}" ]; then
-  cmake -S "$root" -B "$x86" -DCMAKE_BUILD_TYPE=Release -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF \
+  cmake -S "$root" -B "$x86" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF \
     -DSDPA_IO=OFF -DSDPA_ONEDNN=OFF -DSDPA_NATIVE=OFF >/dev/null
 fi
 grep -q '^SDPA_NATIVE:BOOL=OFF' "$x86/CMakeCache.txt" || { echo "emulated.sh: $x86 is not a build without -march" >&2; exit 2; }
@@ -57,7 +57,7 @@ if [ ! -f "$gtest/.complete" ]; then
   cmake --install "$work/gtest-build-aarch64" >/dev/null
   touch "$gtest/.complete"
 fi
-cmake -S "$root" -B "$arm" -DCMAKE_TOOLCHAIN_FILE="$root/cmake/aarch64-linux-gnu.cmake" -DCMAKE_BUILD_TYPE=Release \
+cmake -S "$root" -B "$arm" -DCMAKE_TOOLCHAIN_FILE="$root/cmake/aarch64-linux-gnu.cmake" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
   -DGTest_DIR="$gtest/lib/cmake/GTest" -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF -DSDPA_IO=OFF \
   -DSDPA_ONEDNN=OFF >/dev/null
 cmake --build "$arm" -j "$jobs" --target module_tests kernel_tests

@@ -36,6 +36,6 @@ cmake --build "$dir" -j "$jobs" --target kernel_tests
 
 echo "sanitize.sh: TSan, concurrency and parallel_for tests"
 dir=${SDPA_TSAN_BUILD_DIR:-$root/build-tsan}
-configure "$dir" g++ "-fsanitize=thread -Wno-tsan"
+flags="-O1 -g1 -fno-omit-frame-pointer" configure "$dir" g++ "-fsanitize=thread -Wno-tsan"
 cmake --build "$dir" --target concurrency_tests -j "$jobs"
 TSAN_OPTIONS=halt_on_error=1 "$dir/tests/concurrency_tests" --gtest_brief=1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Quick start 2: builds the tests and examples and runs the `quick` label with ctest: every unit test once
 # per instruction-set path this CPU runs (AVX-512, AVX2, portable), the PyTorch parity fixtures, the
-# examples. Built without -march, as distributions build (sdpa picks its kernels at run time), so that the
+# examples. Built at -O2 without -march, as distributions build (sdpa picks its kernels at run time), so that the
 # same binaries also run on other CPUs (scripts/emulated.sh). Installs what is missing on Debian 12. (The consumer projects and -Werror builds are the
 # `consumers` label, which CI runs: ctest --test-dir build -L consumers.)
 set -euo pipefail
@@ -10,6 +10,6 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 sdpa_install_missing g++ make cmake libeigen3-dev libgtest-dev nlohmann-json3-dev libdnnl-dev
 build=${SDPA_BUILD_DIR:-$root/build}
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=ON \
-  -DSDPA_IO=ON -DSDPA_ONEDNN=ON -DSDPA_NATIVE=OFF ${SDPA_CMAKE_ARGS:-} >/dev/null
+  -DSDPA_IO=ON -DSDPA_ONEDNN=ON -DSDPA_NATIVE=OFF -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" ${SDPA_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build" -j "$(nproc)"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" -L quick

@@ -153,22 +153,27 @@ inline Rotary rope_llama3(Eigen::Index dim, double theta, double factor, double 
   return r;
 }
 
-// YaRN (Peng et al. 2023; rope_type "yarn", beta_fast 32, beta_slow 1, truncated correction range): each
-// frequency blends interpolation (divided by factor) and extrapolation by where its wavelength falls
-// against original_max_positions, and the attention factor is 0.1 ln(factor) + 1.
-inline Rotary rope_yarn(Eigen::Index dim, double theta, double factor, Eigen::Index original_max_positions) {
+// YaRN (Peng et al. 2023; rope_type "yarn"): each frequency blends interpolation (divided by factor) and
+// extrapolation by where its wavelength falls against original_max_positions (the correction range of
+// beta_fast and beta_slow rotations, rounded outwards unless truncate is false, as gpt-oss configures it),
+// and the attention factor is 0.1 ln(factor) + 1.
+inline Rotary rope_yarn(Eigen::Index dim, double theta, double factor, Eigen::Index original_max_positions,
+                        double beta_fast = 32, double beta_slow = 1, bool truncate = true) {
   const char* where = "rope_yarn";
   if (dim <= 0 || dim % 2 != 0) detail::throw_invalid(where, "dim", "a positive even number of features", dim);
   if (!(std::isfinite(factor) && factor > 0)) detail::throw_invalid(where, "factor", "finite and positive", factor);
   if (original_max_positions <= 0)
     detail::throw_invalid(where, "original_max_positions", "positive", original_max_positions);
-  const double pi = 3.14159265358979323846, beta_fast = 32, beta_slow = 1;
+  if (!(std::isfinite(beta_fast) && std::isfinite(beta_slow) && beta_fast > 0 && beta_slow > 0))
+    detail::throw_invalid(where, "beta_fast, beta_slow", "finite and positive", detail::concat(beta_fast, ", ", beta_slow));
+  const double pi = 3.14159265358979323846;
   const double d = static_cast<double>(dim), max_pos = static_cast<double>(original_max_positions);
   const auto correction_dim = [&](double rotations) {
     return d * std::log(max_pos / (rotations * 2 * pi)) / (2 * std::log(theta));
   };
-  const double low = std::max(std::floor(correction_dim(beta_fast)), 0.0);
-  double high = std::min(std::ceil(correction_dim(beta_slow)), d - 1);
+  const double lo = correction_dim(beta_fast), hi = correction_dim(beta_slow);
+  const double low = std::max(truncate ? std::floor(lo) : lo, 0.0);
+  double high = std::min(truncate ? std::ceil(hi) : hi, d - 1);
   if (low == high) high += 0.001;
   Rotary r;
   r.dim = dim;

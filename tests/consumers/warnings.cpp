@@ -3,6 +3,7 @@
 // on the command line (as the README tells users to): any warning from sdpa's headers fails the build.
 #include <sdpa/sdpa.hpp>
 #ifdef SDPA_CONSUMER_IO
+#include <sdpa/io/hf.hpp>
 #include <sdpa/io/safetensors.hpp>
 #endif
 
@@ -49,13 +50,53 @@ int exercise() {
   att.init_weights(sdpa::init::PyTorchDefaultPolicy{});
   for (auto p : att.named_parameters()) (void)p.size();
 
+  // Today's decoders: grouped-query heads with a rotary embedding, decoding through a cache, the options
+  // of the functional core, and the core itself with its backward pass.
+  sdpa::ScaledDotProductAttention<Scalar> gqa(32, 8, 8, 4, Scalar(0), /*kv_heads=*/2);
+  gqa.eval();
+  gqa.set_rotary(sdpa::rope_llama3(8, 500000.0, 8.0, 1.0, 4.0, 8192));
+  sdpa::AttentionOptions<Scalar> decoder;
+  decoder.causal = true;
+  decoder.window_left = 4;
+  decoder.softcap = Scalar(50);
+  decoder.scale = Scalar(0.25);
+  decoder.sinks = {Scalar(0.5), Scalar(-1), Scalar(0), Scalar(2)};
+  auto y_gqa = gqa(x, x, x, decoder);
+  sdpa::KVCache<Scalar> cache(gqa, 2, 16);
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> token(2, 1, 32);
+  token.setRandom();
+  sdpa::AttentionOptions<Scalar> step_options;
+  step_options.sinks = decoder.sinks;
+  auto y_step = gqa.step(token, cache, step_options);
+  y_step = gqa.step(token, cache, step_options);
+
+  Eigen::Tensor<Scalar, 4, Eigen::RowMajor> q(2, 4, 9, 8), k(2, 2, 9, 8), v(2, 2, 9, 8);
+  q.setRandom();
+  k.setRandom();
+  v.setRandom();
+  const sdpa::Rotary rope = sdpa::rope_yarn(8, 150000.0, 32.0, 4096, 32.0, 1.0, false);
+  sdpa::AttentionOptions<Scalar> core = decoder;
+  core.rotary = &rope;
+  sdpa::AttentionState<Scalar> state;
+  auto o = sdpa::attention(q, k, v, core, state);
+  const auto grads = sdpa::attention_backward(o, state);
+  for (const auto* t : {&o, &grads.q, &grads.k, &grads.v})
+    for (Eigen::Index i = 0; i < t->size(); ++i) (void)t->data()[i];
+
 #ifdef SDPA_CONSUMER_IO
+  // A Hugging Face block from files that are not there: a clear exception, nothing loaded.
+  try {
+    (void)sdpa::load_hf_attention(gqa, "/nonexistent/model.safetensors", "model.layers.0.self_attn.",
+                                  sdpa::HfLayout::kLlama);
+    return 1;
+  } catch (const std::exception&) {
+  }
   const auto bytes = sdpa::save_safetensors_to_memory(att, "layer.");
   sdpa::load_safetensors_from_memory(att, bytes.data(), bytes.size(), "memory", "layer.");
 #endif
 
   double sum = 0;
-  for (const auto* t : {&y, &y_masked, &y_padded, &y_map, &y_train, &y_ref})
+  for (const auto* t : {&y, &y_masked, &y_padded, &y_map, &y_train, &y_ref, &y_gqa, &y_step})
     for (Eigen::Index i = 0; i < t->size(); ++i) sum += static_cast<double>(t->data()[i]);
   for (Eigen::Index i = 0; i < z.size(); ++i) sum += static_cast<double>(z.data()[i]);
   if (!std::isfinite(sum)) {

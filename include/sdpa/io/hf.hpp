@@ -1,0 +1,345 @@
+// Hugging Face checkpoints: the attention block of a model saved by transformers (model.safetensors and its
+// config.json), loaded into a ScaledDotProductAttention by the checkpoint's own tensor names, converting
+// layouts where they differ, with the settings the config implies:
+//
+//   HfLayout::kBert     <prefix>self.query / self.key / self.value, <prefix>output.dense   (weights + biases)
+//   HfLayout::kGpt2     <prefix>c_attn (fused q | k | v, Conv1D: stored (in, out), transposed), <prefix>c_proj
+//   HfLayout::kLlama, kMistral, kQwen2, kGemma2, kGptOss
+//                       <prefix>q_proj / k_proj / v_proj / o_proj (biases where the model has them: Qwen2's
+//                       q/k/v, gpt-oss's all four, Llama's with attention_bias), kv_heads from the shapes,
+//                       the rotary embedding and its rope_type ("default", "linear", "llama3", "yarn"),
+//                       Gemma 2's softcap and scale, gpt-oss's <prefix>sinks, the sliding window of the
+//                       layers that have one (sliding_window, layer_types)
+//
+//   sdpa::HfAttentionConfig c = sdpa::read_hf_config("model/config.json", sdpa::HfLayout::kLlama);
+//   sdpa::ScaledDotProductAttention<float> att = sdpa::make_hf_attention<float>(c);
+//   sdpa::AttentionOptions<float> o = sdpa::load_hf_attention(att, "model/model.safetensors",
+//                                                           "model.layers.3.self_attn.", sdpa::HfLayout::kLlama);
+//   auto y = att(x, x, x, o);   // o: causal, the window, softcap, scale, sinks of layer 3
+//
+// Everything is read from files already on disk (nothing is fetched). A missing tensor, a tensor of the
+// wrong shape and a config sdpa cannot follow (an unknown rope_type) throw SafetensorsError (a
+// std::runtime_error) naming the file and the problem; a module of another shape than the config's throws
+// std::invalid_argument naming the field. Needs nlohmann_json (CMake target sdpa::io).
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "sdpa/error.hpp"
+#include "sdpa/io/safetensors.hpp"
+#include "sdpa/options.hpp"
+#include "sdpa/rotary.hpp"
+#include "sdpa/scaled_dot_product_attention.hpp"
+
+SDPA_NAMESPACE_BEGIN
+
+enum class HfLayout { kBert, kGpt2, kLlama, kMistral, kQwen2, kGemma2, kGptOss };
+
+inline const char* hf_layout_name(HfLayout l) noexcept {
+  switch (l) {
+    case HfLayout::kBert: return "bert";
+    case HfLayout::kGpt2: return "gpt2";
+    case HfLayout::kLlama: return "llama";
+    case HfLayout::kMistral: return "mistral";
+    case HfLayout::kQwen2: return "qwen2";
+    case HfLayout::kGemma2: return "gemma2";
+    default: return "gpt_oss";
+  }
+}
+
+// What an attention block of the model needs from its config.json.
+struct HfAttentionConfig {
+  std::string path;                  // the config file, for messages
+  HfLayout layout = HfLayout::kLlama;
+  Eigen::Index hidden_size = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  bool causal = true;                // decoders; BERT attends both ways
+  bool has_rotary = false;
+  Rotary rotary;
+  Eigen::Index sliding_window = -1;  // keys per query, the query's own included (transformers' meaning); -1 none
+  std::vector<std::string> layer_types;  // "sliding_attention" / "full_attention" per layer, when given
+  double softcap = 0;                // attn_logit_softcapping
+  double scale = 0;                  // query_pre_attn_scalar^-1/2 (Gemma 2); 0: 1 / sqrt(head_dim)
+  bool attention_bias = false;       // q/k/v/o biases (Llama's attention_bias, gpt-oss); Qwen2: q/k/v only
+};
+
+namespace detail {
+namespace hf {
+
+[[noreturn]] inline void fail(const std::string& file, const std::string& what) {
+  throw SafetensorsError("sdpa: Hugging Face model '" + file + "': " + what);
+}
+
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail(path, "cannot open the config file");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, std::string("config.json is not valid JSON: ") + e.what());
+  }
+}
+
+inline Eigen::Index integer(const nlohmann::json& j, const std::string& path, const char* key, bool required = true,
+                            Eigen::Index fallback = 0) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    if (required) fail(path, std::string("config.json has no \"") + key + "\"");
+    return fallback;
+  }
+  if (!it->is_number_integer() || it->get<long long>() < 0)
+    fail(path, std::string("config.json \"") + key + "\" must be a non-negative integer, but is " + it->dump());
+  return static_cast<Eigen::Index>(it->get<long long>());
+}
+
+inline double number(const nlohmann::json& j, const std::string& path, const char* key, double fallback) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_number()) fail(path, std::string("config.json \"") + key + "\" must be a number, but is " + it->dump());
+  return it->get<double>();
+}
+
+inline bool boolean(const nlohmann::json& j, const std::string& path, const char* key, bool fallback) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_boolean()) fail(path, std::string("config.json \"") + key + "\" must be true or false, but is " + it->dump());
+  return it->get<bool>();
+}
+
+// The layer index in a prefix such as "model.layers.3.self_attn." or "transformer.h.0.attn.": the last
+// all-digit component; -1 when there is none.
+inline Eigen::Index layer_of(const std::string& prefix) {
+  Eigen::Index layer = -1;
+  std::size_t start = 0;
+  while (start < prefix.size()) {
+    const std::size_t dot = prefix.find('.', start);
+    const std::string part = prefix.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (!part.empty() && part.find_first_not_of("0123456789") == std::string::npos) layer = std::stoll(part);
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  return layer;
+}
+
+// The rotary of a decoder's config: rope_parameters (transformers 5) or rope_theta + rope_scaling (4), the
+// rotated share of each head (partial_rotary_factor).
+inline void read_rope(const nlohmann::json& j, HfAttentionConfig& c) {
+  nlohmann::json rope = nlohmann::json::object();
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = j["rope_parameters"];
+  if (j.contains("rope_scaling") && j["rope_scaling"].is_object())
+    for (const auto& [k, v] : j["rope_scaling"].items()) rope[k] = v;
+  const double theta = number(rope, c.path, "rope_theta", number(j, c.path, "rope_theta", 10000.0));
+  const double partial = number(rope, c.path, "partial_rotary_factor", number(j, c.path, "partial_rotary_factor", 1.0));
+  const Eigen::Index dim = static_cast<Eigen::Index>(static_cast<double>(c.head_dim) * partial);
+  std::string type = "default";
+  if (rope.contains("rope_type") && rope["rope_type"].is_string()) type = rope["rope_type"].get<std::string>();
+  else if (rope.contains("type") && rope["type"].is_string()) type = rope["type"].get<std::string>();
+  const Eigen::Index max_positions = integer(j, c.path, "max_position_embeddings", false, 2048);
+  const Eigen::Index original = integer(rope, c.path, "original_max_position_embeddings", false, max_positions);
+  // yarn without a factor scales from the pretrained length to max_position_embeddings (transformers' rule).
+  const double factor = number(rope, c.path, "factor",
+                               type == "yarn" && original > 0 ? static_cast<double>(max_positions) / static_cast<double>(original) : 1.0);
+  if (type == "default") {
+    c.rotary.dim = dim;
+    c.rotary.theta = theta;
+    c.rotary.inv_freq = c.rotary.frequencies(dim);
+  } else if (type == "linear") {
+    c.rotary = rope_linear(dim, theta, factor);
+  } else if (type == "llama3") {
+    c.rotary = rope_llama3(dim, theta, factor, number(rope, c.path, "low_freq_factor", 1.0),
+                           number(rope, c.path, "high_freq_factor", 4.0), original);
+  } else if (type == "yarn") {
+    const bool truncate = boolean(rope, c.path, "truncate", true);
+    c.rotary = rope_yarn(dim, theta, factor, original, number(rope, c.path, "beta_fast", 32.0),
+                         number(rope, c.path, "beta_slow", 1.0), truncate);
+    const double attention_factor = number(rope, c.path, "attention_factor", 0.0);
+    const double mscale = number(rope, c.path, "mscale", 0.0), mscale_all_dim = number(rope, c.path, "mscale_all_dim", 0.0);
+    const auto get_mscale = [](double s, double m) { return s <= 1 ? 1.0 : 0.1 * m * std::log(s) + 1.0; };
+    if (attention_factor > 0) c.rotary.attention_factor = attention_factor;
+    else if (mscale > 0 && mscale_all_dim > 0)
+      c.rotary.attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim);
+  } else {
+    fail(c.path, "rope_type \"" + type + "\" is not one sdpa implements (default, linear, llama3, yarn)");
+  }
+  c.has_rotary = true;
+}
+
+}  // namespace hf
+}  // namespace detail
+
+// Reads config.json for the layout's attention.
+inline HfAttentionConfig read_hf_config(const std::string& path, HfLayout layout) {
+  namespace hf = detail::hf;
+  const nlohmann::json j = hf::read_json(path);
+  if (!j.is_object()) hf::fail(path, "config.json is not a JSON object");
+  HfAttentionConfig c;
+  c.path = path;
+  c.layout = layout;
+  if (layout == HfLayout::kGpt2) {
+    c.hidden_size = hf::integer(j, path, "n_embd");
+    c.num_heads = hf::integer(j, path, "n_head");
+  } else {
+    c.hidden_size = hf::integer(j, path, "hidden_size");
+    c.num_heads = hf::integer(j, path, "num_attention_heads");
+  }
+  if (c.hidden_size <= 0 || c.num_heads <= 0) hf::fail(path, "config.json gives no positive hidden size and head count");
+  c.num_kv_heads = hf::integer(j, path, "num_key_value_heads", false, c.num_heads);
+  c.head_dim = hf::integer(j, path, "head_dim", false, c.hidden_size / c.num_heads);
+  if (c.head_dim <= 0) hf::fail(path, "config.json gives a head_dim of 0");
+  c.causal = layout != HfLayout::kBert;
+  if (layout == HfLayout::kBert || layout == HfLayout::kGpt2) return c;
+  hf::read_rope(j, c);
+  c.attention_bias = hf::boolean(j, path, "attention_bias", layout == HfLayout::kGptOss);
+  // Qwen2 has a sliding_window that only applies with use_sliding_window.
+  if (layout != HfLayout::kQwen2 || hf::boolean(j, path, "use_sliding_window", false))
+    c.sliding_window = hf::integer(j, path, "sliding_window", false, -1);
+  if (j.contains("layer_types") && j["layer_types"].is_array())
+    for (const auto& t : j["layer_types"]) c.layer_types.push_back(t.is_string() ? t.get<std::string>() : "");
+  if (layout == HfLayout::kGemma2) {
+    c.softcap = hf::number(j, path, "attn_logit_softcapping", 0.0);
+    const double scalar = hf::number(j, path, "query_pre_attn_scalar", static_cast<double>(c.head_dim));
+    c.scale = 1.0 / std::sqrt(scalar);
+  }
+  return c;
+}
+
+// A module of the config's shape: d_model hidden_size, h num_heads of head_dim, kv_heads num_kv_heads, no
+// dropout, eval mode, with the config's rotary.
+template <typename Scalar>
+ScaledDotProductAttention<Scalar> make_hf_attention(const HfAttentionConfig& c) {
+  ScaledDotProductAttention<Scalar> m(c.hidden_size, c.head_dim, c.head_dim, c.num_heads, Scalar(0), c.num_kv_heads);
+  m.eval();
+  if (c.has_rotary) m.set_rotary(c.rotary);
+  return m;
+}
+
+namespace detail {
+namespace hf {
+
+// tensor `name` of the file, of exactly `shape`, as Scalar values.
+template <typename Scalar>
+std::vector<Scalar> tensor(const SafetensorsFile& f, const std::string& name, const std::vector<Eigen::Index>& shape) {
+  const SafetensorsTensor* t = f.find(name);
+  if (t == nullptr) fail(f.name, "tensor \"" + name + "\" is missing");
+  if (t->shape != shape)
+    fail(f.name, "tensor \"" + name + "\" has shape " + safetensors::shape_text(t->shape) + ", but the attention needs " +
+                     safetensors::shape_text(shape));
+  return tensor_values<Scalar>(f, *t);
+}
+
+}  // namespace hf
+}  // namespace detail
+
+// Loads the attention block under `prefix` of the safetensors file into `module`, with config.json (beside
+// the file unless config_path is given) for its settings: the module's shape must be the config's (it gets
+// the config's rotary), and the returned options are those every call of this layer takes (causal, the
+// sliding window of its layer, softcap, scale, sinks). Nothing in the module changes unless everything
+// loads.
+template <typename Scalar>
+AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& module, const std::string& safetensors_path,
+                                           const std::string& prefix, HfLayout layout, const std::string& config_path = "") {
+  namespace hf = detail::hf;
+  using Index = Eigen::Index;
+  const std::string cfg_path =
+      config_path.empty() ? (std::filesystem::path(safetensors_path).parent_path() / "config.json").string() : config_path;
+  const HfAttentionConfig c = read_hf_config(cfg_path, layout);
+  const char* where = "load_hf_attention";
+  const auto expect = [&](const char* field, Index want, Index got) {
+    if (want != got)
+      detail::throw_invalid(where, detail::concat("module ", field),
+                            detail::concat(want, " (", cfg_path, ": ", hf_layout_name(layout), ")"), got);
+  };
+  expect("d_model", c.hidden_size, module.d_model());
+  expect("h", c.num_heads, module.h());
+  expect("kv_heads", c.num_kv_heads, module.kv_heads());
+  expect("d_k", c.head_dim, module.d_k());
+  expect("d_v", c.head_dim, module.d_v());
+  const SafetensorsFile f = read_safetensors(safetensors_path);
+  const Index d = c.hidden_size, hq = c.num_heads * c.head_dim, hk = c.num_kv_heads * c.head_dim;
+  std::vector<Scalar> wq, wk, wv, wo, bq(static_cast<std::size_t>(hq), Scalar(0)), bk(static_cast<std::size_t>(hk), Scalar(0)),
+      bv(static_cast<std::size_t>(hk), Scalar(0)), bo(static_cast<std::size_t>(d), Scalar(0)), sinks;
+  if (layout == HfLayout::kBert) {
+    wq = hf::tensor<Scalar>(f, prefix + "self.query.weight", {hq, d});
+    bq = hf::tensor<Scalar>(f, prefix + "self.query.bias", {hq});
+    wk = hf::tensor<Scalar>(f, prefix + "self.key.weight", {hk, d});
+    bk = hf::tensor<Scalar>(f, prefix + "self.key.bias", {hk});
+    wv = hf::tensor<Scalar>(f, prefix + "self.value.weight", {hk, d});
+    bv = hf::tensor<Scalar>(f, prefix + "self.value.bias", {hk});
+    wo = hf::tensor<Scalar>(f, prefix + "output.dense.weight", {d, hq});
+    bo = hf::tensor<Scalar>(f, prefix + "output.dense.bias", {d});
+  } else if (layout == HfLayout::kGpt2) {
+    // Conv1D stores (in, out): y = x W + b, with W's columns q | k | v.
+    const std::vector<Scalar> w = hf::tensor<Scalar>(f, prefix + "c_attn.weight", {d, 3 * d});
+    const std::vector<Scalar> b = hf::tensor<Scalar>(f, prefix + "c_attn.bias", {3 * d});
+    const std::vector<Scalar> w_o = hf::tensor<Scalar>(f, prefix + "c_proj.weight", {d, d});
+    bo = hf::tensor<Scalar>(f, prefix + "c_proj.bias", {d});
+    const auto split = [&](Index part, std::vector<Scalar>& weight, std::vector<Scalar>& bias) {
+      weight.resize(static_cast<std::size_t>(d * d));
+      for (Index o = 0; o < d; ++o)
+        for (Index i = 0; i < d; ++i) weight[static_cast<std::size_t>(o * d + i)] = w[static_cast<std::size_t>(i * 3 * d + part * d + o)];
+      bias.assign(b.begin() + part * d, b.begin() + (part + 1) * d);
+    };
+    split(0, wq, bq);
+    split(1, wk, bk);
+    split(2, wv, bv);
+    wo.resize(static_cast<std::size_t>(d * d));
+    for (Index o = 0; o < d; ++o)
+      for (Index i = 0; i < d; ++i) wo[static_cast<std::size_t>(o * d + i)] = w_o[static_cast<std::size_t>(i * d + o)];
+  } else {
+    wq = hf::tensor<Scalar>(f, prefix + "q_proj.weight", {hq, d});
+    wk = hf::tensor<Scalar>(f, prefix + "k_proj.weight", {hk, d});
+    wv = hf::tensor<Scalar>(f, prefix + "v_proj.weight", {hk, d});
+    wo = hf::tensor<Scalar>(f, prefix + "o_proj.weight", {d, hq});
+    const bool qkv_bias = c.attention_bias || layout == HfLayout::kQwen2;
+    if (qkv_bias) {
+      bq = hf::tensor<Scalar>(f, prefix + "q_proj.bias", {hq});
+      bk = hf::tensor<Scalar>(f, prefix + "k_proj.bias", {hk});
+      bv = hf::tensor<Scalar>(f, prefix + "v_proj.bias", {hk});
+    }
+    if (c.attention_bias) bo = hf::tensor<Scalar>(f, prefix + "o_proj.bias", {d});
+    if (layout == HfLayout::kGptOss) sinks = hf::tensor<Scalar>(f, prefix + "sinks", {c.num_heads});
+  }
+  // The options of this layer.
+  AttentionOptions<Scalar> o;
+  o.causal = c.causal;
+  const Index layer = hf::layer_of(prefix);
+  bool sliding = c.sliding_window > 0;
+  if (!c.layer_types.empty()) {
+    if (layer < 0 || layer >= static_cast<Index>(c.layer_types.size()))
+      hf::fail(cfg_path, "prefix \"" + prefix + "\" names no layer of layer_types (" + std::to_string(c.layer_types.size()) +
+                             " layers)");
+    sliding = sliding && c.layer_types[static_cast<std::size_t>(layer)] == "sliding_attention";
+  } else if (layout == HfLayout::kGemma2 && sliding) {
+    // Configs from before layer_types: Gemma 2 alternates, its even layers sliding.
+    if (layer < 0) hf::fail(cfg_path, "prefix \"" + prefix + "\" names no layer (Gemma 2's window depends on it)");
+    sliding = layer % 2 == 0;
+  }
+  if (sliding) o.window_left = c.sliding_window - 1;
+  o.softcap = static_cast<Scalar>(c.softcap);
+  o.scale = static_cast<Scalar>(c.scale);
+  o.sinks = sinks;
+  // Everything read: the module changes now.
+  const auto put = [](const std::vector<Scalar>& from, Scalar* to) { std::copy(from.begin(), from.end(), to); };
+  put(wq, module.fc_q().weight().data());
+  put(bq, module.fc_q().bias().data());
+  put(wk, module.fc_k().weight().data());
+  put(bk, module.fc_k().bias().data());
+  put(wv, module.fc_v().weight().data());
+  put(bv, module.fc_v().bias().data());
+  put(wo, module.fc_o().weight().data());
+  put(bo, module.fc_o().bias().data());
+  if (c.has_rotary) module.set_rotary(c.rotary);
+  else module.clear_rotary();
+  return o;
+}
+
+SDPA_NAMESPACE_END

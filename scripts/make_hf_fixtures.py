@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Writes tests/fixtures/hf/<model>/: tiny Hugging Face models built from small configs with random weights
+(no download), saved with save_pretrained (config.json, model.safetensors), and what transformers' own
+attention blocks compute in them, for tests/hf_test.cpp, which loads the blocks with sdpa::load_hf_attention:
+
+    llama    LlamaForCausalLM, GQA, llama3 rope scaling       mistral  MistralForCausalLM, sliding window
+    qwen2    Qwen2ForCausalLM, q/k/v biases, yarn scaling     gemma2   Gemma2ForCausalLM, softcap, scale,
+                                                                       sliding and full layers
+    gpt_oss  GptOssForCausalLM, sinks, biases, yarn (not truncated), sliding and full layers
+    gpt2     GPT2LMHeadModel (c_attn fused and transposed)     bert     BertModel (a padding mask)
+
+For each layer: the hidden states entering its attention (after the layer norm, captured by a hook) and the
+attention block's output (o_proj / c_proj / output.dense applied), on a prompt of `prompt` tokens (batch 2,
+the second with padding for BERT), and the same for step-by-step decoding with transformers' DynamicCache
+(decoders: the prompt, then `steps` single tokens). Saved as fixture.sdpafix (make_fixtures.py's format):
+    layer<i>.prefill.input (b, n, hidden), layer<i>.prefill.output, layer<i>.step<t>.input (b, 1, hidden),
+    layer<i>.step<t>.output; attention_mask (b, n) i64 for BERT; torch and transformers versions.
+
+Run in a virtual environment with `pip install torch transformers numpy safetensors`:
+    python3 scripts/make_hf_fixtures.py
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_fixtures as mf  # noqa: E402
+
+torch.set_num_threads(1)
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "hf")
+COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128)
+
+
+def decoders():
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    return {
+        "llama": (LlamaForCausalLM, LlamaConfig(**COMMON, num_key_value_heads=2, rope_theta=10000.0,
+                                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                              "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 32})),
+        "mistral": (MistralForCausalLM, MistralConfig(**COMMON, num_key_value_heads=1, sliding_window=5)),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, num_key_value_heads=2,
+                                               rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 32})),
+        "gemma2": (Gemma2ForCausalLM, Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                                  attn_logit_softcapping=5.0, final_logit_softcapping=None,
+                                                  sliding_window=5)),
+        "gpt_oss": (GptOssForCausalLM, GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                                   num_experts_per_tok=1, sliding_window=5,
+                                                   rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                                 "beta_slow": 1.0, "truncate": False,
+                                                                 "original_max_position_embeddings": 32})),
+    }
+
+
+def attention_modules(model):
+    for name, m in model.named_modules():
+        if name.endswith("self_attn") or name.endswith(".attn") or name.endswith("attention.self"):
+            yield name, m
+
+
+def capture(model, run):
+    """Runs run() with hooks on every attention block: (input hidden states, block output) per layer."""
+    seen = {}
+    hooks = []
+    for name, m in attention_modules(model):
+        def hook(mod, args, kwargs, out, name=name):
+            hs = kwargs.get("hidden_states", args[0] if args else None)
+            seen[name] = (hs.detach().double().numpy(), out[0].detach().double().numpy())
+        hooks.append(m.register_forward_hook(hook, with_kwargs=True))
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def randomize(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim > 1 else 0.1))
+
+
+def write_fixture(directory, entries):
+    data = mf.encode_file(entries)
+    path = os.path.join(directory, "fixture.sdpafix")
+    with open(path, "wb") as f:
+        f.write(data)
+    print(f"{hashlib.sha256(data).hexdigest()[:16]}  {os.path.relpath(path)}  ({len(data)} bytes)")
+
+
+def version_entries():
+    t = [int(x) for x in torch.__version__.split("+")[0].split(".")[:3]]
+    tr = [int(x) for x in transformers.__version__.split(".")[:3]]
+    return [("torch_version", np.int64(t[0] * 10000 + t[1] * 100 + t[2])),
+            ("transformers_version", np.int64(tr[0] * 10000 + tr[1] * 100 + tr[2]))]
+
+
+def make_decoder(name, cls, config, prompt=7, steps=4, batch=2):
+    from transformers import DynamicCache
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    model = cls(config).eval()
+    randomize(model, mf.seed_of("hf/" + name))
+    directory = os.path.join(OUT, name)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, prompt + steps), generator=g)
+    entries = version_entries() + [("prompt", np.int64(prompt)), ("steps", np.int64(steps))]
+    with torch.no_grad():
+        full = capture(model, lambda: model(ids[:, :prompt], use_cache=False))
+        names = sorted(full)
+        for i, n in enumerate(names):
+            entries += [(f"layer{i}.prefill.input", full[n][0]), (f"layer{i}.prefill.output", full[n][1])]
+        cache = DynamicCache(config=config)
+        model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+        for t in range(steps):
+            pos = prompt + t
+            seen = capture(model, lambda: model(ids[:, pos:pos + 1], past_key_values=cache, use_cache=True,
+                                                position_ids=torch.full((batch, 1), pos)))
+            for i, n in enumerate(names):
+                entries += [(f"layer{i}.step{t}.input", seen[n][0]), (f"layer{i}.step{t}.output", seen[n][1])]
+    entries.append(("layer_prefixes", np.array([len(n) for n in names], dtype=np.int64)))
+    with open(os.path.join(directory, "layers.json"), "w") as f:
+        json.dump([n + "." for n in names], f)
+    write_fixture(directory, entries)
+
+
+def make_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    randomize(model, mf.seed_of("hf/gpt2"))
+    directory = os.path.join(OUT, "gpt2")
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    entries = version_entries()
+    with torch.no_grad():
+        seen = capture(model, lambda: model(ids, use_cache=False))
+    names = sorted(seen)
+    for i, n in enumerate(names):
+        entries += [(f"layer{i}.prefill.input", seen[n][0]), (f"layer{i}.prefill.output", seen[n][1])]
+    with open(os.path.join(directory, "layers.json"), "w") as f:
+        json.dump([n + "." for n in names], f)
+    write_fixture(directory, entries)
+
+
+def make_bert():
+    from transformers import BertConfig, BertModel
+    config = BertConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=64, intermediate_size=64,
+                        max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = BertModel(config, add_pooling_layer=False).eval()
+    randomize(model, mf.seed_of("hf/bert"))
+    directory = os.path.join(OUT, "bert")
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.int64)
+    mask[1, 5:] = 0  # the second sentence is padded
+    entries = version_entries() + [("attention_mask", mask.numpy())]
+    seen = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if name.endswith("attention"):  # BertAttention: self-attention + output (dense, dropout, LayerNorm)
+            def hook_self(mod, args, kwargs, out, name=name):
+                seen[name + ".in"] = kwargs.get("hidden_states", args[0] if args else None).detach().double().numpy()
+            def hook_dense(mod, args, out, name=name):
+                seen[name + ".out"] = out.detach().double().numpy()  # BertSelfOutput.dense, before dropout and norm
+            hooks.append(m.self.register_forward_hook(hook_self, with_kwargs=True))
+            hooks.append(m.output.dense.register_forward_hook(hook_dense))
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    names = sorted({k.rsplit(".", 1)[0] for k in seen})
+    for i, n in enumerate(names):
+        entries += [(f"layer{i}.prefill.input", seen[n + ".in"]), (f"layer{i}.prefill.output", seen[n + ".out"])]
+    with open(os.path.join(directory, "layers.json"), "w") as f:
+        json.dump([n + "." for n in names], f)
+    write_fixture(directory, entries)
+
+
+def main():
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    for name, (cls, config) in decoders().items():
+        make_decoder(name, cls, config)
+    make_gpt2()
+    make_bert()
+
+
+if __name__ == "__main__":
+    main()

