@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """Measures, in one session, sdpa against the CPU peers a user would pick instead (PyTorch 2.6 and ONNX
-Runtime 1.21 from Debian 13, in a chroot made by ../shared/peers/) and against the machine's limits (the FMA
-peak of the ISA the build targets, oneDNN's sgemm), and writes the "Against the peers" section of
-bench/RESULTS.md (between its markers; the rest of the file is kept).
+Runtime 1.21 from Debian 13, in a chroot made by ../shared/peers/; with --venv also today's pip versions) and
+against the machine's limits (the FMA peak of each instruction-set path, oneDNN's sgemm), and writes the
+"Against the peers" section of bench/RESULTS.md (between its markers; the rest of the file is kept).
 
-    /usr/bin/python3 scripts/run_peer_benchmarks.py [--build] [--repetitions 5]
+    /usr/bin/python3 scripts/run_peer_benchmarks.py [--build] [--venv /tmp/venv] [--repetitions 5]
 
-sdpa: bench/table_bench on the peers' configurations with their FLOP count, bench/gemm_bench and
-gemm_bench_avx2 (FMA peaks, sdpa::gemm and dnnl_sgemm on the demo's projection shapes). Peers: run.sh CONFIG
-IMPL THREADS, impl seed (the original module in torch ops), sdpa2 (F.scaled_dot_product_attention), ort (the
-module exported to ONNX), ort_mha (ONNX Runtime's MultiHeadAttention op), ort_dnnl (ORT's oneDNN provider);
-each prints its best of several runs. Needs root (the chroot) and Google Benchmark.
+sdpa: bench/table_bench on the peers' configurations with their FLOP count, bench/gemm_bench on its best path
+and with SDPA_ISA=avx2 (FMA peaks, sdpa::gemm and dnnl_sgemm on the demo's projection shapes). Peers: run.sh
+CONFIG IMPL THREADS, impl seed (the original module in torch ops), sdpa2 (F.scaled_dot_product_attention), mha
+(nn.MultiheadAttention), ort (the module exported to ONNX), ort_mha (ONNX Runtime's MultiHeadAttention op),
+ort_dnnl (ORT's oneDNN provider); each prints its best of several runs. --venv: the same peer_perf.py run by
+the virtual environment's python (pip install torch onnxruntime onnx), its versions printed and named in the
+table. (ONNX Runtime's GroupQueryAttention, a causal decoder op, is measured by scripts/run_isa_benchmarks.py
+on the decoder cases.) Needs root (the chroot) and Google Benchmark.
 """
 
 import argparse
@@ -28,6 +31,7 @@ CONFIGS = [("demo", "demo 50x49, d_k 512"), ("std", "50x49, d_k 64"), ("long", "
            ("long_causal", "1x4096 causal")]
 IMPLS = [("seed", "PyTorch 2.6, module ops"), ("sdpa2", "PyTorch 2.6 SDPA"), ("ort", "ONNX Runtime 1.21"),
          ("ort_mha", "ORT MultiHeadAttention"), ("ort_dnnl", "ORT + oneDNN EP")]
+PIP_IMPLS = ["seed", "sdpa2", "mha", "ort", "ort_mha"]  # the pip wheel of onnxruntime has no oneDNN provider
 
 
 DRY_RUN = [False]  # --report-only: read the last run's JSON files instead of running
@@ -36,11 +40,20 @@ DRY_RUN = [False]  # --report-only: read the last run's JSON files instead of ru
 from benchlib import bench as _bench, load, ms, replace_section, run  # noqa: E402
 
 
-def bench(exe, flt, reps, out):
+def bench(exe, flt, reps, out, env=None):
     """case name -> [(ms, GFLOP/s)] per repetition (gemm_bench counts GFLOPs, the others FLOPS). The
     repetitions of all cases are interleaved in random order, so that the FMA peak registered in the same
     binary is measured over the same stretch of time as the cases it is compared with."""
-    runs, context = load(out) if DRY_RUN[0] else _bench(exe, flt, reps, out, ("--benchmark_enable_random_interleaving=true",))
+    if DRY_RUN[0]:
+        runs, context = load(out)
+    else:
+        saved = dict(os.environ)
+        os.environ.update(env or {})
+        try:
+            runs, context = _bench(exe, flt, reps, out, ("--benchmark_enable_random_interleaving=true",))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
     return {name: [(ms(b), b["GFLOPs"] if "GFLOPs" in b else b.get("FLOPS", 0.0) / 1e9) for b in records]
             for name, records in runs.items()}, context
 
@@ -50,6 +63,7 @@ def main():
     ap.add_argument("--build", action="store_true")
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
     ap.add_argument("--repetitions", type=int, default=5)
+    ap.add_argument("--venv", default="", help="a virtual environment with pip's torch, onnxruntime and onnx")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "RESULTS.md"))
     ap.add_argument("--report-only", action="store_true", help="run nothing: rewrite the section from the last run's files")
     args = ap.parse_args()
@@ -57,39 +71,54 @@ def main():
     if args.build:
         run(["cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
              "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON"], stdout=subprocess.DEVNULL)
-        run(["cmake", "--build", build, "--target", "table_bench", "gemm_bench", "gemm_bench_avx2", "-j", "2"])
+        run(["cmake", "--build", build, "--target", "table_bench", "gemm_bench", "-j", "2"])
     b = os.path.join(build, "bench")
     if args.report_only:
         DRY_RUN[0] = True  # the JSON files of the last run are read instead
     gemm, context = bench(os.path.join(b, "gemm_bench"), "fma_peak|^(qkv|fc_o)/.*/(sdpa_avx512|eigen|dnnl_sgemm)/",
                           args.repetitions, os.path.join(build, "peers_gemm.json"))
-    gemm2, _ = bench(os.path.join(b, "gemm_bench_avx2"), "fma_peak|^(qkv|fc_o)/.*/sdpa_avx2/", args.repetitions,
-                     os.path.join(build, "peers_gemm_avx2.json"))
+    gemm2, _ = bench(os.path.join(b, "gemm_bench"), "fma_peak|^(qkv|fc_o)/.*/sdpa_avx2/", args.repetitions,
+                     os.path.join(build, "peers_gemm_avx2.json"), {"SDPA_ISA": "avx2"})
     table, _ = bench(os.path.join(b, "table_bench"), "fma_peak|table/", args.repetitions,
                      os.path.join(build, "peers_table.json"))
 
     peers_json = os.path.join(build, "peers_peers.json")
     peers = {}
+    pip_info = []
     if args.report_only:
         with open(peers_json) as f:
             saved = json.load(f)
         peers = {tuple(k.split("|")[:2]) + (int(k.split("|")[2]),): tuple(v) for k, v in saved["results"].items()}
         info = saved["info"]
+        pip_info = saved.get("pip_info", [])
+    pip_python = os.path.join(args.venv, "bin", "python") if args.venv else ""
+    peer_script = os.path.join(os.path.dirname(PEERS), "peer_perf.py")
+
+    def measure(cmd, key, env=None):
+        try:
+            out = run(cmd, capture_output=True, text=True, env=env).stdout
+        except subprocess.CalledProcessError as e:
+            print(f"peer {key}: failed: {e}", file=sys.stderr)
+            return
+        m = re.search(r"min_ms=([0-9.]+) gflops=([0-9.]+)", out)
+        if m:
+            peers[key] = (float(m.group(1)), float(m.group(2)))
+
+    # Debian's and pip's builds alternate, configuration by configuration, over the same minutes.
     for cfg, _ in ([] if args.report_only else CONFIGS):
         for threads in (1, 2):
             for impl, _ in IMPLS:
-                try:
-                    out = run(["bash", PEERS, cfg, impl, str(threads)], capture_output=True, text=True).stdout
-                except subprocess.CalledProcessError as e:
-                    print(f"peer {cfg} {impl} {threads}: failed: {e}", file=sys.stderr)
-                    continue
-                m = re.search(r"min_ms=([0-9.]+) gflops=([0-9.]+)", out)
-                if m:
-                    peers[(cfg, impl, threads)] = (float(m.group(1)), float(m.group(2)))
+                measure(["bash", PEERS, cfg, impl, str(threads)], (cfg, impl, threads))
+            for impl in (PIP_IMPLS if pip_python else []):
+                measure([pip_python, peer_script, cfg, impl, str(threads)], (cfg, "pip_" + impl, threads),
+                        dict(os.environ, OMP_NUM_THREADS=str(threads)))
     if not args.report_only:
         info = subprocess.run(["bash", PEERS, "--info"], capture_output=True, text=True).stdout.strip().splitlines()
+        pip_info = (subprocess.run([pip_python, peer_script, "--info"], capture_output=True, text=True).stdout.strip().splitlines()
+                    if pip_python else [])
         with open(peers_json, "w") as f:
-            json.dump({"results": {f"{c}|{i}|{t}": v for (c, i, t), v in peers.items()}, "info": info}, f, indent=1)
+            json.dump({"results": {f"{c}|{i}|{t}": v for (c, i, t), v in peers.items()}, "info": info,
+                       "pip_info": pip_info}, f, indent=1)
 
     def best(runs, name):  # (min ms, median ms, median GFLOP/s)
         r = runs[name]
@@ -116,6 +145,15 @@ def main():
                  " count); peers: their best of several runs (../shared/peers/run.sh, Debian 13's python3-torch and"
                  " python3-onnxruntime in a chroot on this machine). d_model 512, h 8, float, eval, self-attention.")
     lines += ["", "Peers: " + "; ".join(l.strip() for l in info[:5] if l.strip() and not l.startswith("---")), ""]
+    pip_versions = {l.split()[0]: l.split()[1] for l in pip_info if len(l.split()) == 2}
+    have_pip = any(i.startswith("pip_") for _, i, _ in peers)
+    pip_torch, pip_ort = pip_versions.get("torch", "pip"), pip_versions.get("onnxruntime", "pip")
+    pip_labels = {"seed": f"PyTorch {pip_torch}, module ops", "sdpa2": f"PyTorch {pip_torch} SDPA",
+                  "mha": f"PyTorch {pip_torch} nn.MultiheadAttention", "ort": f"ONNX Runtime {pip_ort}",
+                  "ort_mha": f"ORT {pip_ort} MultiHeadAttention"}
+    if have_pip:
+        lines += ["Today's pip versions, the same peer_perf.py run by a virtual environment's python (--venv): "
+                  + "; ".join(l.strip() for l in pip_info[:5] if l.strip() and not l.startswith("---")), ""]
     lines += ["FMA peak, measured by each benchmark binary beside its cases (fma_peak, repetitions interleaved "
               "with the cases' in random order; median, and best in brackets): "
               f"products AVX-512 {peak[1]:.0f} ({top[1]:.0f}) GFLOP/s on 1 core, {peak[2]:.0f} ({top[2]:.0f}) on 2; "
@@ -140,8 +178,11 @@ def main():
               "GFLOP/s and % of the FMA peak are sdpa's medians; the ratios compare sdpa's fastest run with the peers' "
               "fastest (they report their best of several runs).", "",
               "| config | threads | sdpa (min / median) | GFLOP/s | % of FMA peak | "
-              + " | ".join(label for _, label in IMPLS) + " | vs ORT (best of its 3) | vs PyTorch 2.6 (best of 2) |",
-              "|---|---|---|---|---|" + "---|" * len(IMPLS) + "---|---|"]
+              + " | ".join(label for _, label in IMPLS) + " | vs ORT (best of its 3) | vs PyTorch 2.6 (best of 2) |"
+              + ("".join(f" {pip_labels[i]} |" for i in PIP_IMPLS) + f" vs ORT {pip_ort} | vs PyTorch {pip_torch} |"
+                 if have_pip else ""),
+              "|---|---|---|---|---|" + "---|" * len(IMPLS) + "---|---|"
+              + ("---|" * (len(PIP_IMPLS) + 2) if have_pip else "")]
     # (GFLOP/s and % of the peak from sdpa's median; the ratios compare sdpa's best run with the peers' best.)
     targets = []
     for cfg, label in CONFIGS:
@@ -156,9 +197,20 @@ def main():
             # Best against best: the peers report their fastest run, so sdpa's fastest run is compared.
             vs_ort = min(ort) / mn if ort else float("nan")
             vs_torch = min(torch) / mn if torch else float("nan")
-            lines.append(f"| {label} | {t} | {mn:.0f} / {md:.0f} ms | {g:.0f} | {100 * g / tpeak[t]:.0f}% | "
-                         + " | ".join(cells) + f" | {vs_ort:.2f}x | {vs_torch:.2f}x |")
-            targets.append((label, t, vs_ort, vs_torch, 100 * g / tpeak[t]))
+            row = (f"| {label} | {t} | {mn:.0f} / {md:.0f} ms | {g:.0f} | {100 * g / tpeak[t]:.0f}% | "
+                   + " | ".join(cells) + f" | {vs_ort:.2f}x | {vs_torch:.2f}x |")
+            vs_pip_ort = vs_pip_torch = float("nan")
+            if have_pip:
+                pcells = [f"{peers[(cfg, 'pip_' + i, t)][0]:.0f} ms" if (cfg, "pip_" + i, t) in peers else "—"
+                          for i in PIP_IMPLS]
+                pip_ort_t = [peers[(cfg, "pip_" + i, t)][0] for i in ("ort", "ort_mha") if (cfg, "pip_" + i, t) in peers]
+                pip_torch_t = [peers[(cfg, "pip_" + i, t)][0] for i in ("seed", "sdpa2", "mha")
+                               if (cfg, "pip_" + i, t) in peers]
+                vs_pip_ort = min(pip_ort_t) / mn if pip_ort_t else float("nan")
+                vs_pip_torch = min(pip_torch_t) / mn if pip_torch_t else float("nan")
+                row += " " + " | ".join(pcells) + f" | {vs_pip_ort:.2f}x | {vs_pip_torch:.2f}x |"
+            lines.append(row)
+            targets.append((label, t, vs_ort, vs_torch, 100 * g / tpeak[t], vs_pip_ort, vs_pip_torch))
     # What the 1.2x target asks of this machine: the time it allows and the end-to-end rate that means,
     # against the best peak of the run and the best single product (one matrix product, no attention).
     qkv_dnnl = None
@@ -189,11 +241,16 @@ def main():
             lines.append(f"| {label} | {t} | {min(ort):.0f} ms | {allowed:.0f} ms | {rate:.0f} GFLOP/s | "
                          f"{100 * rate / ttop[t]:.0f}% | {mn:.0f} ms | {100 * gflop / mn * 1e3 / ttop[t]:.0f}% |")
     lines += ["", "| target | measured | required | |", "|---|---|---|---|"]
-    for label, t, vs_ort, vs_torch, pct in targets:
+    for label, t, vs_ort, vs_torch, pct, vs_pip_ort, vs_pip_torch in targets:
         lines.append(f"| {label}, {t} thread{'s' if t > 1 else ''}: faster than ONNX Runtime's best | {vs_ort:.2f}x | >= 1.2x | "
                      f"{'**PASS**' if vs_ort >= 1.2 else '**FAIL**'} |")
         lines.append(f"| {label}, {t} thread{'s' if t > 1 else ''}: faster than PyTorch 2.6's best | {vs_torch:.2f}x | > 1x | "
                      f"{'**PASS**' if vs_torch > 1.0 else '**FAIL**'} |")
+        if have_pip:
+            lines.append(f"| {label}, {t} thread{'s' if t > 1 else ''}: faster than ONNX Runtime {pip_ort}'s best | "
+                         f"{vs_pip_ort:.2f}x | >= 1.2x | {'**PASS**' if vs_pip_ort >= 1.2 else '**FAIL**'} |")
+            lines.append(f"| {label}, {t} thread{'s' if t > 1 else ''}: faster than PyTorch {pip_torch}'s best | "
+                         f"{vs_pip_torch:.2f}x | > 1x | {'**PASS**' if vs_pip_torch > 1.0 else '**FAIL**'} |")
     for shape in ("qkv", "fc_o"):
         ours = best(gemm, find(gemm, rf"^{shape}/.*/sdpa_avx512/threads:1"))[2]
         lines.append(f"| {shape} product, 1 thread, % of the AVX-512 FMA peak | {100 * ours / peak[1]:.0f}% | >= 85% | "
@@ -201,14 +258,14 @@ def main():
         a2 = best(gemm2, find(gemm2, rf"^{shape}/.*/sdpa_avx2/threads:1"))[2]
         lines.append(f"| {shape} product, AVX2 build, 1 thread, % of the AVX2 FMA peak | {100 * a2 / peak2[1]:.0f}% | >= 80% | "
                      f"{'**PASS**' if a2 >= 0.80 * peak2[1] else '**FAIL**'} |")
-    for label, t, _, _, pct in targets:
+    for label, t, _, _, pct, _, _ in targets:
         if t == 1:
             need = 70 if "causal" in label else 75
             lines.append(f"| {label}, 1 thread, end to end, % of the FMA peak | {pct:.0f}% | >= {need}% | "
                          f"{'**PASS**' if pct >= need else '**FAIL**'} |")
     lines += ["", END]
     replace_section(args.out, BEGIN, END, lines[1:-1])
-    print("\n".join(lines[-2 * len(targets) - 12:]))
+    print("\n".join(lines[-(4 if have_pip else 2) * len(targets) - 12:]))
     return 0
 
 

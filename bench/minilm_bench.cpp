@@ -1,0 +1,64 @@
+// minilm_bench: the six self-attention blocks of all-MiniLM-L6-v2 (d_model 384, 12 heads of 32, q/k/v/o
+// projections with biases) on a batch of 32 sentences padded to 128 tokens, each sentence's keys stopping at
+// its length (key_lengths: 128 - (53 b mod 113), 16 to 128 tokens, what bench/peers/minilm_peer.py gives
+// transformers as its padding mask), float, eval, 1 and 2 threads:
+//   minilm/attention/threads:<t>      six module calls, one per layer (each layer's own weights)
+// The weights are PyTorch-default random ones of the trained model's shapes: the time does not depend on
+// their values. scripts/run_minilm_benchmarks.py runs it beside transformers' eager and SDPA attention.
+#include <benchmark/benchmark.h>
+
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace sdpa_bench {
+namespace {
+
+constexpr Index kBatch = 32, kTokens = 128, kModel = 384, kHeads = 12, kLayers = 6;
+
+std::vector<Index> lengths() {
+  std::vector<Index> l;
+  for (Index b = 0; b < kBatch; ++b) l.push_back(kTokens - (53 * b) % 113);
+  return l;
+}
+
+void attention_case(benchmark::State& state, int threads) {
+  std::vector<Module> layers;
+  for (Index l = 0; l < kLayers; ++l) {
+    layers.emplace_back(kModel, kModel / kHeads, kModel / kHeads, kHeads, 0.0f);
+    sdpa::Philox gen(0x3141, static_cast<std::uint64_t>(l));
+    layers.back().init_weights(sdpa::init::PyTorchDefaultPolicy{}, gen);
+    layers.back().eval();
+  }
+  Tensor3 x(kBatch, kTokens, kModel);
+  sdpa::Philox gen(0x3142, 0);
+  sdpa::init::Uniform{-1.0, 1.0}(x, gen);
+  sdpa::AttentionOptions<float> o;
+  o.key_lengths = lengths();
+  o.device = device_for(threads);
+  std::vector<Tensor3> out(static_cast<std::size_t>(kLayers));
+  const auto run = [&] {
+    for (Index l = 0; l < kLayers; ++l) out[static_cast<std::size_t>(l)] = layers[static_cast<std::size_t>(l)](x, x, x, o);
+  };
+  run();  // the modules' scratch exists from here on
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(out.back().data());
+    benchmark::ClobberMemory();
+  }
+}
+
+const bool registered = [] {
+  for (int threads : {1, 2})
+    benchmark::RegisterBenchmark(("minilm/attention/threads:" + std::to_string(threads)).c_str(),
+                                 [threads](benchmark::State& s) { attention_case(s, threads); })
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  return true;
+}();
+
+}  // namespace
+}  // namespace sdpa_bench
+
+BENCHMARK_MAIN();

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Measures, in one session, what the run-time instruction-set choice and today's decoder options cost and
+win, and writes the "Instruction sets and today's decoders" section of bench/RESULTS.md (between its
+markers; the rest of the file is kept):
+
+  1. Each path of the same -march=native build (SDPA_ISA=avx512, avx2): bench/table_bench on the peers'
+     configurations (1 and 2 threads), core_bench (the attention core alone at 1 x 4096) and gemm_bench (the
+     fused QKV and fc_o projections), each beside fma_peak of that path; the peers on the same machine,
+     both their Debian 13 builds (PyTorch 2.6, ONNX Runtime 1.21: ../shared/peers/run.sh) and today's pip
+     builds (--venv: PyTorch, ONNX Runtime), the latter also with their own ISA capped at AVX2
+     (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2; ONNX Runtime's MLAS has no such switch).
+  2. A build without -march (SDPA_BENCH_NATIVE=OFF: -O2, as distributions build) against the native one: the
+     demo, 1 x 4096 and the decoding step at 4095 cached tokens.
+  3. bench/decoder_bench (GQA, rotary, softcap, sinks, their backward) and ONNX Runtime's
+     GroupQueryAttention with projections (bench/peers/ort_gqa_peer.py, both ORT versions).
+
+    /usr/bin/python3 scripts/run_isa_benchmarks.py --build [--venv /tmp/venv] [--repetitions 5]
+
+Needs root for the Debian 13 chroot; --venv names a virtual environment with torch and onnxruntime.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import load, ms, replace_section, run  # noqa: E402
+
+PEERS = os.path.join(os.path.dirname(ROOT), "shared", "peers")
+BEGIN, END = "<!-- isa:begin -->", "<!-- isa:end -->"
+CONFIGS = [("demo", "demo 50x49, d_k 512"), ("std", "50x49, d_k 64"), ("long", "1x4096, d_k 64"),
+           ("long_causal", "1x4096 causal")]
+PEER_IMPLS = ["seed", "sdpa2", "mha", "ort", "ort_mha", "ort_dnnl"]
+
+
+def bench(exe, flt, reps, out, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    run([exe, f"--benchmark_filter={flt}", f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.5",
+         f"--benchmark_out={out}", "--benchmark_out_format=json", "--benchmark_enable_random_interleaving=true"],
+        stdout=subprocess.DEVNULL, env=e)
+    runs, _ = load(out)
+    return runs
+
+
+def stats(records, key=None):
+    values = [ms(r) for r in records] if key is None else [r.get(key, 0.0) for r in records]
+    return min(values), statistics.median(values)
+
+
+def rate(records):
+    v = [r["GFLOPs"] if "GFLOPs" in r else r.get("FLOPS", 0.0) / 1e9 for r in records]
+    return statistics.median(v)
+
+
+def find(runs, pattern):
+    """The runs of the first case whose name matches the regular expression (from its start)."""
+    import re
+    for name, records in sorted(runs.items()):
+        if re.match(pattern, name):
+            return records
+    return None
+
+
+def peer(python_cmd, config, impl, threads, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    e["OMP_NUM_THREADS"] = str(threads)
+    try:
+        out = subprocess.run(python_cmd + [config, impl, str(threads)], capture_output=True, text=True, env=e,
+                             timeout=1800).stdout
+    except subprocess.TimeoutExpired:
+        return None
+    for line in out.splitlines():
+        if "min_ms=" in line:
+            return float(line.split("min_ms=")[1].split()[0])
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", action="store_true")
+    ap.add_argument("--venv", default="")
+    ap.add_argument("--repetitions", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "RESULTS.md"))
+    ap.add_argument("--work", default="/tmp/sdpa-isa-bench")
+    args = ap.parse_args()
+    native, generic = os.path.join(ROOT, "build-bench"), os.path.join(ROOT, "build-bench-generic")
+    os.makedirs(args.work, exist_ok=True)
+    targets = ["table_bench", "core_bench", "gemm_bench", "decode_bench", "decoder_bench"]
+    if args.build:
+        for d, flag in ((native, "ON"), (generic, "OFF")):
+            run(["cmake", "-S", ROOT, "-B", d, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
+                 "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON", f"-DSDPA_BENCH_NATIVE={flag}"],
+                stdout=subprocess.DEVNULL)
+            run(["cmake", "--build", d, "--target", *targets, "-j", "2"], stdout=subprocess.DEVNULL)
+    reps = args.repetitions
+    w = lambda n: os.path.join(args.work, n)  # noqa: E731
+    paths = ["avx512", "avx2"]
+    sdpa, core, gemm = {}, {}, {}
+    for isa in paths:
+        env = {"SDPA_ISA": isa}
+        sdpa[isa] = bench(os.path.join(native, "bench", "table_bench"), "fma_peak|table/(demo|std|long|long_causal)/",
+                          reps, w(f"table_{isa}.json"), env)
+        core[isa] = bench(os.path.join(native, "bench", "core_bench"), "fma_peak|core/B:1/N:4096/threads:1",
+                          reps, w(f"core_{isa}.json"), env)
+        gemm[isa] = bench(os.path.join(native, "bench", "gemm_bench"),
+                          f"fma_peak|^(qkv|fc_o)/.*/sdpa_{isa}/threads:1", reps, w(f"gemm_{isa}.json"), env)
+    # Native vs -O2 without -march.
+    builds = {}
+    for name, d in (("native", native), ("generic", generic)):
+        t = bench(os.path.join(d, "bench", "table_bench"), "table/(demo|long)/threads:1$", reps, w(f"build_{name}.json"))
+        dec = bench(os.path.join(d, "bench", "decode_bench"), "decode/step/cache:4095/batch:1/threads:1$", reps,
+                    w(f"build_{name}_decode.json"))
+        builds[name] = (t, dec)
+    decoder = bench(os.path.join(native, "bench", "decoder_bench"), "decoder/", reps, w("decoder.json"))
+    # Peers.
+    chroot = ["bash", os.path.join(PEERS, "run.sh")]
+    peer_rows = {}
+    for cfg, _ in CONFIGS:
+        for threads in (1, 2):
+            for impl in PEER_IMPLS:
+                peer_rows[("debian", cfg, impl, threads)] = peer(chroot, cfg, impl, threads)
+                if args.venv:
+                    py = [os.path.join(args.venv, "bin", "python"), os.path.join(PEERS, "peer_perf.py")]
+                    peer_rows[("pip", cfg, impl, threads)] = peer(py, cfg, impl, threads)
+                    peer_rows[("pip-avx2", cfg, impl, threads)] = peer(
+                        py, cfg, impl, threads, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    gqa = {}
+    gqa_script = os.path.join(ROOT, "bench", "peers", "ort_gqa_peer.py")
+    for label, cmd in (("debian", ["bash", os.path.join(PEERS, "debian13_root.sh")]),
+                       ("pip", [os.path.join(args.venv, "bin", "python")] if args.venv else None)):
+        if cmd is None:
+            continue
+        if label == "debian":
+            # The chroot sees the script under /opt/peers.
+            subprocess.run(["cp", gqa_script, "/tmp/peers-debian13/opt/peers/ort_gqa_peer.py"], check=False)
+            full = cmd + ["python3", "/opt/peers/ort_gqa_peer.py"]
+        else:
+            full = cmd + [gqa_script]
+        out = subprocess.run(full, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
+        for line in out.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                gqa[(label, r["case"])] = r
+
+    # ---- report ----
+    L = ["Measured by `/usr/bin/python3 scripts/run_isa_benchmarks.py --build --venv /tmp/venv` "
+         f"(repetitions {reps}, interleaved; min / median in ms).", ""]
+    L += ["### Each path of one binary against the peers", "",
+          "| config | threads | sdpa avx512 | sdpa avx2 | best peer (Debian: PyTorch 2.6, ORT 1.21) | best peer (pip) | "
+          "best pip peer capped at AVX2 | avx2 vs best Debian peer | avx2 vs best AVX2-capped pip peer |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for cfg, label in CONFIGS:
+        for threads in (1, 2):
+            cells = []
+            for isa in paths:
+                r = find(sdpa[isa], f"table/{cfg}/threads:{threads}$")
+                cells.append(r)
+            def best(kind):
+                vals = [(peer_rows.get((kind, cfg, i, threads)), i) for i in PEER_IMPLS]
+                vals = [(v, i) for v, i in vals if v]
+                return min(vals) if vals else (None, "-")
+            bd, bp, ba = best("debian"), best("pip"), best("pip-avx2")
+            a2 = stats(cells[1])[0] if cells[1] else None
+            fmt = lambda r: f"{stats(r)[0]:.1f} / {stats(r)[1]:.1f}" if r else "-"  # noqa: E731
+            pv = lambda b: f"{b[0]:.1f} ({b[1]})" if b[0] else "-"  # noqa: E731
+            ratio = lambda b: f"{b[0] / a2:.2f}x" if b[0] and a2 else "-"  # noqa: E731
+            L.append(f"| {label} | {threads} | {fmt(cells[0])} | {fmt(cells[1])} | {pv(bd)} | {pv(bp)} | {pv(ba)} | "
+                     f"{ratio(bd)} | {ratio(ba)} |")
+    L += ["", "### Share of each path's FMA peak (medians; peak measured in the same binary)", "",
+          "| path | peak 1t GFLOP/s | QKV 1t | fc_o 1t | core 1x4096 1t | module 1x4096 1t | module demo 1t |",
+          "|---|---|---|---|---|---|---|"]
+    for isa in paths:
+        peak = find(gemm[isa], r"fma_peak/.*threads:1")
+        p1 = rate(peak) if peak else 0
+        def pct(runs, prefix):
+            r = find(runs, prefix)
+            return f"{100 * rate(r) / p1:.0f}%" if r and p1 else "-"
+        L.append(f"| {isa} | {p1:.0f} | {pct(gemm[isa], r'qkv/.*/threads:1')} | {pct(gemm[isa], r'fc_o/.*/threads:1')} | "
+                 f"{pct(core[isa], r'core/B:1/N:4096/threads:1')} | {pct(sdpa[isa], r'table/long/threads:1')} | "
+                 f"{pct(sdpa[isa], r'table/demo/threads:1')} |")
+    L += ["", "### Built without -march (-O2, as distributions build) against -O3 -march=native", "",
+          "| case | native | -O2 | ratio |", "|---|---|---|---|"]
+    for case, idx, prefix in (("demo, 1 thread", 0, "table/demo/threads:1$"), ("1x4096, 1 thread", 0, "table/long/threads:1$"),
+                              ("decoding step, 4095 cached", 1, "decode/step/cache:4095")):
+        n = find(builds["native"][idx], prefix)
+        g = find(builds["generic"][idx], prefix)
+        if n and g:
+            L.append(f"| {case} | {stats(n)[0]:.3f} / {stats(n)[1]:.3f} | {stats(g)[0]:.3f} / {stats(g)[1]:.3f} | "
+                     f"{stats(g)[1] / stats(n)[1]:.2f}x |")
+    L += ["", "### Today's decoders (decoder_bench, 1 thread) and ONNX Runtime's GroupQueryAttention", "",
+          "| case | sdpa | ORT GQA 1.21 | ORT GQA (pip) |", "|---|---|---|---|"]
+    for name, records in sorted(decoder.items()):
+        short = name.replace("decoder/", "")
+        d = gqa.get(("debian", short)), gqa.get(("pip", short))
+        cell = lambda r: f"{r['min_ms']:.3f} / {r['median_ms']:.3f}" if r else "-"  # noqa: E731
+        L.append(f"| {short} | {stats(records)[0]:.3f} / {stats(records)[1]:.3f} | {cell(d[0])} | {cell(d[1])} |")
+    vers = sorted({r["ort"] for r in gqa.values()})
+    L += ["", f"ONNX Runtime versions: {', '.join(vers) if vers else '-'}."]
+    replace_section(args.out, BEGIN, END, L)
+    print("\n".join(L))
+
+
+if __name__ == "__main__":
+    main()
