@@ -78,7 +78,7 @@ int exercise() {
   sdpa::AttentionOptions<Scalar> core = decoder;
   core.rotary = &rope;
   sdpa::AttentionState<Scalar> state;
-  auto o = sdpa::attention(q, k, v, core, state);
+  const auto o = sdpa::attention(q, k, v, core, state);
   const auto grads = sdpa::attention_backward(o, state);
   for (const auto* t : {&o, &grads.q, &grads.k, &grads.v})
     for (Eigen::Index i = 0; i < t->size(); ++i) (void)t->data()[i];
