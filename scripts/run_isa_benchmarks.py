@@ -15,6 +15,7 @@ markers; the rest of the file is kept):
      GroupQueryAttention with projections (bench/peers/ort_gqa_peer.py, both ORT versions).
 
     /usr/bin/python3 scripts/run_isa_benchmarks.py --build [--venv /tmp/venv] [--repetitions 5]
+        [--peers-from build-bench/peers_peers.json]
 
 Needs root for the Debian 13 chroot; --venv names a virtual environment with torch and onnxruntime.
 """
@@ -35,9 +36,15 @@ BEGIN, END = "<!-- isa:begin -->", "<!-- isa:end -->"
 CONFIGS = [("demo", "demo 50x49, d_k 512"), ("std", "50x49, d_k 64"), ("long", "1x4096, d_k 64"),
            ("long_causal", "1x4096 causal")]
 PEER_IMPLS = ["seed", "sdpa2", "mha", "ort", "ort_mha", "ort_dnnl"]
+CAPPED_IMPLS = ["seed", "sdpa2", "mha"]
+RESUME = [False]
 
 
 def bench(exe, flt, reps, out, env=None):
+    if RESUME[0] and os.path.exists(out) and os.path.getsize(out) > 0:  # --resume: this session's earlier run
+        runs, _ = load(out)
+        if runs:
+            return runs
     e = dict(os.environ)
     e.update(env or {})
     run([exe, f"--benchmark_filter={flt}", f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.5",
@@ -88,7 +95,12 @@ def main():
     ap.add_argument("--repetitions", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "RESULTS.md"))
     ap.add_argument("--work", default="/tmp/sdpa-isa-bench")
+    ap.add_argument("--peers-from", default="",
+                    help="peers_peers.json of a run_peer_benchmarks.py run of the same session: its Debian and pip "
+                         "peers are used instead of running them again (the AVX2-capped ones still run here)")
+    ap.add_argument("--resume", action="store_true", help="keep the results files of an interrupted run of --work")
     args = ap.parse_args()
+    RESUME[0] = args.resume
     native, generic = os.path.join(ROOT, "build-bench"), os.path.join(ROOT, "build-bench-generic")
     os.makedirs(args.work, exist_ok=True)
     targets = ["table_bench", "core_bench", "gemm_bench", "decode_bench", "decoder_bench"]
@@ -113,21 +125,32 @@ def main():
     # Native vs -O2 without -march.
     builds = {}
     for name, d in (("native", native), ("generic", generic)):
-        t = bench(os.path.join(d, "bench", "table_bench"), "table/(demo|long)/threads:1$", reps, w(f"build_{name}.json"))
-        dec = bench(os.path.join(d, "bench", "decode_bench"), "decode/step/cache:4095/batch:1/threads:1$", reps,
+        t = bench(os.path.join(d, "bench", "table_bench"), "table/(demo|long)/threads:1/", reps, w(f"build_{name}.json"))
+        dec = bench(os.path.join(d, "bench", "decode_bench"), "decode/step/cache:4095/batch:1/threads:1/", reps,
                     w(f"build_{name}_decode.json"))
         builds[name] = (t, dec)
     decoder = bench(os.path.join(native, "bench", "decoder_bench"), "decoder/", reps, w("decoder.json"))
     # Peers.
     chroot = ["bash", os.path.join(PEERS, "run.sh")]
     peer_rows = {}
+    saved = {}
+    if args.peers_from:
+        with open(args.peers_from) as f:
+            saved = json.load(f)["results"]
     for cfg, _ in CONFIGS:
         for threads in (1, 2):
             for impl in PEER_IMPLS:
-                peer_rows[("debian", cfg, impl, threads)] = peer(chroot, cfg, impl, threads)
-                if args.venv:
-                    py = [os.path.join(args.venv, "bin", "python"), os.path.join(PEERS, "peer_perf.py")]
-                    peer_rows[("pip", cfg, impl, threads)] = peer(py, cfg, impl, threads)
+                py = [os.path.join(args.venv, "bin", "python"), os.path.join(PEERS, "peer_perf.py")] if args.venv else None
+                if saved:
+                    for kind, key in (("debian", f"{cfg}|{impl}|{threads}"), ("pip", f"{cfg}|pip_{impl}|{threads}")):
+                        if key in saved:
+                            peer_rows[(kind, cfg, impl, threads)] = saved[key][0]
+                else:
+                    peer_rows[("debian", cfg, impl, threads)] = peer(chroot, cfg, impl, threads)
+                    if py:
+                        peer_rows[("pip", cfg, impl, threads)] = peer(py, cfg, impl, threads)
+                # Only PyTorch's kernels can be capped (ATen's dispatch, oneDNN); ONNX Runtime's MLAS cannot.
+                if py and impl in CAPPED_IMPLS:
                     peer_rows[("pip-avx2", cfg, impl, threads)] = peer(
                         py, cfg, impl, threads, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
     gqa = {}
@@ -149,11 +172,14 @@ def main():
                 gqa[(label, r["case"])] = r
 
     # ---- report ----
-    L = ["Measured by `/usr/bin/python3 scripts/run_isa_benchmarks.py --build --venv /tmp/venv` "
+    cmd = "/usr/bin/python3 scripts/run_isa_benchmarks.py --build --venv /tmp/venv" + (" (then --resume)" if args.resume else "") + (
+        " --peers-from build-bench/peers_peers.json` (the Debian and pip peers of the peers section's run, just before)"
+        if args.peers_from else "`")
+    L = [f"Measured by `{cmd} "
          f"(repetitions {reps}, interleaved; min / median in ms).", ""]
     L += ["### Each path of one binary against the peers", "",
           "| config | threads | sdpa avx512 | sdpa avx2 | best peer (Debian: PyTorch 2.6, ORT 1.21) | best peer (pip) | "
-          "best pip peer capped at AVX2 | avx2 vs best Debian peer | avx2 vs best AVX2-capped pip peer |",
+          "best pip PyTorch capped at AVX2 | avx2 vs best Debian peer | avx2 vs AVX2-capped pip PyTorch |",
           "|---|---|---|---|---|---|---|---|---|"]
     for cfg, label in CONFIGS:
         for threads in (1, 2):

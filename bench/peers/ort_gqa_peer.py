@@ -31,7 +31,8 @@ def build(kv, rotary, with_past, max_len):
     init = []
 
     def weight(name, rows, cols):
-        init.append(numpy_helper.from_array((rng.uniform(-1, 1, (cols, rows)) / np.sqrt(cols)).astype(np.float32).T.copy(), name))
+        # (in, out): MatMul computes x W, x being (1, n, in).
+        init.append(numpy_helper.from_array((rng.uniform(-1, 1, (cols, rows)) / np.sqrt(cols)).astype(np.float32), name))
         init.append(numpy_helper.from_array(np.zeros(rows, dtype=np.float32), name + "_b"))
 
     weight("wq", H * D, D_MODEL)
