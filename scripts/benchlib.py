@@ -16,6 +16,14 @@ def run(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
+def build_benchmarks(source, build, targets, options=()):
+    """Configures `build` as a Release build of the benchmarks only (no tests, no examples) and builds
+    `targets` with 2 jobs."""
+    run(["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
+         "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON", *options], stdout=subprocess.DEVNULL)
+    run(["cmake", "--build", build, "--target", *targets, "-j", "2"], stdout=subprocess.DEVNULL)
+
+
 def load(path):
     """(case name -> list of its runs' JSON records, the run's context); aggregates are left out."""
     with open(path) as f:

@@ -16,7 +16,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-from benchlib import bench as _bench, replace_section, run, times  # noqa: E402
+from benchlib import build_benchmarks, bench as _bench, replace_section, run, times  # noqa: E402
 
 
 def bench(exe, flt, reps, out):
@@ -33,9 +33,7 @@ def main():
     args = ap.parse_args()
     build = os.path.abspath(args.build_dir)
     if args.build:
-        run(["cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
-             "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON"], stdout=subprocess.DEVNULL)
-        run(["cmake", "--build", build, "--target", "decode_bench", "training_bench", "-j", "2"])
+        build_benchmarks(ROOT, build, ["decode_bench", "training_bench"])
     b = os.path.join(build, "bench")
     med = lambda t, n: statistics.median(t[n])
     mn = lambda t, n: min(t[n])

@@ -29,7 +29,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import load, ms, replace_section, run  # noqa: E402
+from benchlib import build_benchmarks, load, ms, replace_section, run  # noqa: E402
 
 PEERS = os.path.join(os.path.dirname(ROOT), "shared", "peers")
 BEGIN, END = "<!-- isa:begin -->", "<!-- isa:end -->"
@@ -106,10 +106,7 @@ def main():
     targets = ["table_bench", "core_bench", "gemm_bench", "decode_bench", "decoder_bench"]
     if args.build:
         for d, flag in ((native, "ON"), (generic, "OFF")):
-            run(["cmake", "-S", ROOT, "-B", d, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
-                 "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON", f"-DSDPA_BENCH_NATIVE={flag}"],
-                stdout=subprocess.DEVNULL)
-            run(["cmake", "--build", d, "--target", *targets, "-j", "2"], stdout=subprocess.DEVNULL)
+            build_benchmarks(ROOT, d, targets, [f"-DSDPA_BENCH_NATIVE={flag}"])
     reps = args.repetitions
     w = lambda n: os.path.join(args.work, n)  # noqa: E731
     paths = ["avx512", "avx2"]

@@ -17,7 +17,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import load, ms, replace_section, run  # noqa: E402
+from benchlib import build_benchmarks, load, ms, replace_section, run  # noqa: E402
 
 BEGIN, END = "<!-- minilm:begin -->", "<!-- minilm:end -->"
 
@@ -32,9 +32,7 @@ def main():
     args = ap.parse_args()
     build = os.path.abspath(args.build_dir)
     if args.build:
-        run(["cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
-             "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON"], stdout=subprocess.DEVNULL)
-        run(["cmake", "--build", build, "--target", "minilm_bench", "-j", "2"], stdout=subprocess.DEVNULL)
+        build_benchmarks(ROOT, build, ["minilm_bench"])
     exe = os.path.join(build, "bench", "minilm_bench")
     python = os.path.join(args.venv, "bin", "python")
     ours, peers, versions, context = {}, {}, {}, {}

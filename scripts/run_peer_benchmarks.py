@@ -37,7 +37,7 @@ PIP_IMPLS = ["seed", "sdpa2", "mha", "ort", "ort_mha"]  # the pip wheel of onnxr
 DRY_RUN = [False]  # --report-only: read the last run's JSON files instead of running
 
 
-from benchlib import bench as _bench, load, ms, replace_section, run  # noqa: E402
+from benchlib import build_benchmarks, bench as _bench, load, ms, replace_section, run  # noqa: E402
 
 
 def bench(exe, flt, reps, out, env=None):
@@ -69,9 +69,7 @@ def main():
     args = ap.parse_args()
     build = os.path.abspath(args.build_dir)
     if args.build:
-        run(["cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
-             "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON"], stdout=subprocess.DEVNULL)
-        run(["cmake", "--build", build, "--target", "table_bench", "gemm_bench", "-j", "2"])
+        build_benchmarks(ROOT, build, ["table_bench", "gemm_bench"])
     b = os.path.join(build, "bench")
     if args.report_only:
         DRY_RUN[0] = True  # the JSON files of the last run are read instead

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- variants:begin -->", "<!-- variants:end -->"
 
 
-from benchlib import load as _load, replace_section, run, times  # noqa: E402
+from benchlib import build_benchmarks, load as _load, replace_section, run, times  # noqa: E402
 
 
 def load(path):
@@ -41,9 +41,7 @@ def main():
     args = ap.parse_args()
     build = os.path.abspath(args.build_dir)
     if args.build:
-        run(["cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DSDPA_BUILD_TESTS=OFF",
-             "-DSDPA_BUILD_EXAMPLES=OFF", "-DSDPA_BUILD_BENCHMARKS=ON"], stdout=subprocess.DEVNULL)
-        run(["cmake", "--build", build, "--target", "variants_bench", "-j", "2"])
+        build_benchmarks(ROOT, build, ["variants_bench"])
     exe = os.path.join(build, "bench", "variants_bench")
     out_json = os.path.join(build, "variants_bench.json")
     bench_cmd = [exe, f"--benchmark_filter={args.filter}", f"--benchmark_repetitions={args.repetitions}",

@@ -116,14 +116,15 @@ inline bool boolean(const nlohmann::json& j, const std::string& path, const char
 }
 
 // The layer index in a prefix such as "model.layers.3.self_attn." or "transformer.h.0.attn.": the last
-// all-digit component; -1 when there is none.
+// all-digit component of at most 9 digits (longer ones name no layer a config has); -1 when there is none.
 inline Eigen::Index layer_of(const std::string& prefix) {
   Eigen::Index layer = -1;
   std::size_t start = 0;
   while (start < prefix.size()) {
     const std::size_t dot = prefix.find('.', start);
     const std::string part = prefix.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    if (!part.empty() && part.find_first_not_of("0123456789") == std::string::npos) layer = std::stoll(part);
+    if (!part.empty() && part.size() <= 9 && part.find_first_not_of("0123456789") == std::string::npos)
+      layer = static_cast<Eigen::Index>(std::stol(part));
     if (dot == std::string::npos) break;
     start = dot + 1;
   }
