@@ -234,34 +234,56 @@ TEST(SimdRows, DotMaxAndWeightedRowsOnEveryPath) {
   }
 }
 
-// chunk_scores over grouped heads (query head h reads key head h / group), strided rows.
-TEST(SimdRows, ChunkScoresOnEveryPath) {
-  std::mt19937 gen(9);
+// chunk_scores over grouped heads (query head h reads key head h / group), strided rows: every key count
+// around the vector widths (full blocks, a short last block), head sizes with and without a vector tail;
+// and a key's score has the same bits when the chunk starts elsewhere (another block position).
+template <typename T>
+void check_chunk_scores(Isa isa, Index n, Index d) {
+  std::mt19937 gen(static_cast<unsigned>(9 + n * 131 + d));
   std::uniform_real_distribution<double> u(-1.0, 1.0);
-  const Index heads = 4, group = 2, kv_heads = heads / group, nq = 3, n = 19, d = 37;
+  const Index heads = 4, group = 2, kv_heads = heads / group, nq = 3;
   const Index k_head = d + 1, k_row = kv_heads * k_head + 5, q_head = nq * (d + 2), q_row = d + 2, lds = n + 4;
-  std::vector<float> k(static_cast<std::size_t>(n * k_row)), q(static_cast<std::size_t>(heads * q_head));
-  for (float& x : k) x = float(u(gen));
-  for (float& x : q) x = float(u(gen));
-  for (Isa isa : paths()) {
-    std::vector<float> s(static_cast<std::size_t>(heads * nq * lds), -5.0f);
-    sdpa::simd::chunk_scores(isa, k.data(), k_row, k_head, n, q.data(), q_head, q_row, heads, group, nq, d, 0.25f,
-                             s.data(), lds);
-    for (Index h = 0; h < heads; ++h)
-      for (Index i = 0; i < nq; ++i)
-        for (Index j = 0; j < lds; ++j) {
-          const float got = s[static_cast<std::size_t>((h * nq + i) * lds + j)];
-          if (j >= n) {
-            EXPECT_EQ(got, -5.0f) << "wrote past the chunk";
-            continue;
-          }
-          double want = 0;
-          for (Index c = 0; c < d; ++c)
-            want += double(k[static_cast<std::size_t>(j * k_row + (h / group) * k_head + c)]) *
-                    double(q[static_cast<std::size_t>(h * q_head + i * q_row + c)]);
-          EXPECT_NEAR(double(got), 0.25 * want, 1e-5) << sdpa::isa_name(isa) << " h " << h << " i " << i << " j " << j;
+  std::vector<T> k(static_cast<std::size_t>((n + 1) * k_row)), q(static_cast<std::size_t>(heads * q_head));
+  for (T& x : k) x = T(u(gen));
+  for (T& x : q) x = T(u(gen));
+  const std::string where = std::string(sdpa::isa_name(isa)) + " n " + std::to_string(n) + " d " + std::to_string(d);
+  std::vector<T> s(static_cast<std::size_t>(heads * nq * lds), T(-5));
+  sdpa::simd::chunk_scores(isa, k.data(), k_row, k_head, n, q.data(), q_head, q_row, heads, group, nq, d, T(0.25), s.data(), lds);
+  // The chunk one key later: key j + 1 of the first call is key j here.
+  std::vector<T> shifted(static_cast<std::size_t>(heads * nq * lds), T(-5));
+  sdpa::simd::chunk_scores(isa, k.data() + k_row, k_row, k_head, n, q.data(), q_head, q_row, heads, group, nq, d, T(0.25),
+                           shifted.data(), lds);
+  const double eps = std::numeric_limits<T>::epsilon();
+  for (Index h = 0; h < heads; ++h)
+    for (Index i = 0; i < nq; ++i)
+      for (Index j = 0; j < lds; ++j) {
+        const std::size_t at = static_cast<std::size_t>((h * nq + i) * lds + j);
+        if (j >= n) {
+          EXPECT_EQ(s[at], T(-5)) << where << ": wrote past the chunk";
+          EXPECT_EQ(shifted[at], T(-5)) << where << ": wrote past the chunk";
+          continue;
         }
-  }
+        double want = 0, mag = 0;
+        for (Index c = 0; c < d; ++c) {
+          const double x = double(k[static_cast<std::size_t>(j * k_row + (h / group) * k_head + c)]) *
+                           double(q[static_cast<std::size_t>(h * q_head + i * q_row + c)]);
+          want += x;
+          mag += std::abs(x);
+        }
+        EXPECT_NEAR(double(s[at]), 0.25 * want, 0.25 * 4 * eps * mag + 1e-300) << where << " h " << h << " i " << i << " j " << j;
+        if (j + 1 < n) {
+          EXPECT_EQ(s[at + 1], shifted[at]) << where << ": key " << j + 1 << " depends on its block position";
+        }
+      }
+}
+
+TEST(SimdRows, ChunkScoresOnEveryPath) {
+  for (Isa isa : paths())
+    for (Index n : {1, 3, 4, 8, 15, 16, 17, 19, 40})
+      for (Index d : {8, 37, 64}) {
+        check_chunk_scores<float>(isa, n, d);
+        check_chunk_scores<double>(isa, n, d);
+      }
 }
 
 // Philox words from every path's vector rounds equal the scalar bijection's, whatever the block count

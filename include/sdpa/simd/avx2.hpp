@@ -90,6 +90,18 @@ struct Vec<float> {
       r[x + 4] = _mm256_permute2f128_ps(u[x], u[x + 4], 0x31);
     }
   }
+  // Lane t of the result is the sum of r[t]'s lanes (eight inner products finished at once): halves folded
+  // onto halves in a tree, the inputs taken in the order that leaves the sums in lane order.
+  static Reg sum_lanes(const Reg (&r)[8]) noexcept {
+    const auto in = [&](int s) -> const Reg& { return r[4 * (s % 2) + s / 2]; };
+    Reg t[4], v[2];
+    for (int i = 0; i < 4; ++i)
+      t[i] = _mm256_add_ps(_mm256_permute2f128_ps(in(2 * i), in(2 * i + 1), 0x20),
+                           _mm256_permute2f128_ps(in(2 * i), in(2 * i + 1), 0x31));
+    for (int i = 0; i < 2; ++i)
+      v[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(v[0], v[1], 0x88), _mm256_shuffle_ps(v[0], v[1], 0xDD));
+  }
 };
 
 template <>
@@ -134,6 +146,12 @@ struct Vec<double> {
     r[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
     r[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
     r[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+  }
+  // Lane t of the result is the sum of r[t]'s lanes (as Vec<float>::sum_lanes).
+  static Reg sum_lanes(const Reg (&r)[4]) noexcept {
+    const Reg t0 = _mm256_add_pd(_mm256_permute2f128_pd(r[0], r[2], 0x20), _mm256_permute2f128_pd(r[0], r[2], 0x31));
+    const Reg t1 = _mm256_add_pd(_mm256_permute2f128_pd(r[1], r[3], 0x20), _mm256_permute2f128_pd(r[1], r[3], 0x31));
+    return _mm256_add_pd(_mm256_unpacklo_pd(t0, t1), _mm256_unpackhi_pd(t0, t1));
   }
 };
 

@@ -90,6 +90,24 @@ struct Vec<float> {
       r[x + 12] = _mm512_maskz_shuffle_f32x4(kAll, c, d, 0xDD);
     }
   }
+  // Lane t of the result is the sum of r[t]'s lanes (sixteen inner products finished at once): halves
+  // folded onto halves in a tree, 30 shuffles and 15 adds, the inputs taken in the order that leaves the
+  // sums in lane order. Each lane's sum runs in the same order whatever t.
+  static Reg sum_lanes(const Reg (&r)[16]) noexcept {
+    constexpr Mask kAll = 0xFFFF;
+    const auto in = [&](int s) -> const Reg& { return r[4 * (s % 4) + s / 4]; };
+    Reg t[8], u[4], v[2];
+    for (int i = 0; i < 8; ++i)  // 512 -> 256 bits per input: t[i] holds inputs 2i, 2i + 1
+      t[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, in(2 * i), in(2 * i + 1), 0x44),
+                           _mm512_maskz_shuffle_f32x4(kAll, in(2 * i), in(2 * i + 1), 0xEE));
+    for (int i = 0; i < 4; ++i)  // 256 -> 128: u[i] holds inputs 4i .. 4i + 3, one per 128-bit lane
+      u[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, t[2 * i], t[2 * i + 1], 0x88),
+                           _mm512_maskz_shuffle_f32x4(kAll, t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // 128 -> 64 inside each 128-bit lane
+      v[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, u[2 * i], u[2 * i + 1], 0x44),
+                           _mm512_maskz_shuffle_ps(kAll, u[2 * i], u[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, v[0], v[1], 0x88), _mm512_maskz_shuffle_ps(kAll, v[0], v[1], 0xDD));
+  }
 };
 
 template <>
@@ -134,6 +152,19 @@ struct Vec<double> {
       r[x] = _mm512_maskz_shuffle_f64x2(kAll, u[x], u[x + 4], 0x88);
       r[x + 4] = _mm512_maskz_shuffle_f64x2(kAll, u[x], u[x + 4], 0xDD);
     }
+  }
+  // Lane t of the result is the sum of r[t]'s lanes (as Vec<float>::sum_lanes).
+  static Reg sum_lanes(const Reg (&r)[8]) noexcept {
+    constexpr Mask kAll = 0xFF;
+    const auto in = [&](int s) -> const Reg& { return r[2 * (s % 4) + s / 4]; };
+    Reg t[4], u[2];
+    for (int i = 0; i < 4; ++i)
+      t[i] = _mm512_add_pd(_mm512_maskz_shuffle_f64x2(kAll, in(2 * i), in(2 * i + 1), 0x44),
+                           _mm512_maskz_shuffle_f64x2(kAll, in(2 * i), in(2 * i + 1), 0xEE));
+    for (int i = 0; i < 2; ++i)
+      u[i] = _mm512_add_pd(_mm512_maskz_shuffle_f64x2(kAll, t[2 * i], t[2 * i + 1], 0x88),
+                           _mm512_maskz_shuffle_f64x2(kAll, t[2 * i], t[2 * i + 1], 0xDD));
+    return _mm512_add_pd(_mm512_maskz_unpacklo_pd(kAll, u[0], u[1]), _mm512_maskz_unpackhi_pd(kAll, u[0], u[1]));
   }
 };
 
