@@ -270,7 +270,7 @@ void check_chunk_scores(Isa isa, Index n, Index d) {
           want += x;
           mag += std::abs(x);
         }
-        EXPECT_NEAR(double(s[at]), 0.25 * want, 0.25 * 4 * eps * mag + 1e-300) << where << " h " << h << " i " << i << " j " << j;
+        EXPECT_NEAR(double(s[at]), 0.25 * want, 0.25 * 4 * eps * mag) << where << " h " << h << " i " << i << " j " << j;
         if (j + 1 < n) {
           EXPECT_EQ(s[at + 1], shifted[at]) << where << ": key " << j + 1 << " depends on its block position";
         }

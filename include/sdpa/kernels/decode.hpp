@@ -137,9 +137,9 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
           any = any || !segs[r].none();
         }
       if (!any) continue;
-      // Pass 1: every (head, query)'s scores over the chunk, key row by key row: a row holds every key/value
-      // head, so the chunk's keys are streamed from memory once and in order (a group of query heads reads
-      // its key head's row while it is in L1).
+      // Pass 1: every (head, query)'s scores over the chunk, a block of key rows (one vector width) at a time:
+      // a row holds every key/value head, so the chunk's keys are streamed from memory once and in order (a
+      // group of query heads reads its key head's block while it is in L1).
       simd::chunk_scores(p.isa, p.k.row(b, 0, k0), p.k.row_stride, p.k.head_stride, n, p.q.row(b, 0, 0), p.q.head_stride,
                          p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k, p.scale, scores, kDecodeChunk);
       // Pass 2: per row, the score pipeline, the softmax fold and dropout.
