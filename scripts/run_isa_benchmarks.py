@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Measures, in one session, what the run-time instruction-set choice and today's decoder options cost and
-win, and writes the "Instruction sets and today's decoders" section of bench/RESULTS.md (between its
+"""Measures, in one session, what the run-time instruction-set choice costs and wins, and writes the
+"Instruction sets" section of bench/RESULTS.md (between its
 markers; the rest of the file is kept):
 
   1. Each path of the same -march=native build (SDPA_ISA=avx512, avx2): bench/table_bench on the peers'
@@ -11,8 +11,7 @@ markers; the rest of the file is kept):
      (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2; ONNX Runtime's MLAS has no such switch).
   2. A build without -march (SDPA_BENCH_NATIVE=OFF: -O2, as distributions build) against the native one: the
      demo, 1 x 4096 and the decoding step at 4095 cached tokens.
-  3. bench/decoder_bench (GQA, rotary, softcap, sinks, their backward) and ONNX Runtime's
-     GroupQueryAttention with projections (bench/peers/ort_gqa_peer.py, both ORT versions).
+(Today's decoder options against ONNX Runtime's GroupQueryAttention: scripts/run_decoder_benchmarks.py.)
 
     /usr/bin/python3 scripts/run_isa_benchmarks.py --build [--venv /tmp/venv] [--repetitions 5]
         [--peers-from build-bench/peers_peers.json]
@@ -103,7 +102,7 @@ def main():
     RESUME[0] = args.resume
     native, generic = os.path.join(ROOT, "build-bench"), os.path.join(ROOT, "build-bench-generic")
     os.makedirs(args.work, exist_ok=True)
-    targets = ["table_bench", "core_bench", "gemm_bench", "decode_bench", "decoder_bench"]
+    targets = ["table_bench", "core_bench", "gemm_bench", "decode_bench"]
     if args.build:
         for d, flag in ((native, "ON"), (generic, "OFF")):
             build_benchmarks(ROOT, d, targets, [f"-DSDPA_BENCH_NATIVE={flag}"])
@@ -126,7 +125,6 @@ def main():
         dec = bench(os.path.join(d, "bench", "decode_bench"), "decode/step/cache:4095/batch:1/threads:1/", reps,
                     w(f"build_{name}_decode.json"))
         builds[name] = (t, dec)
-    decoder = bench(os.path.join(native, "bench", "decoder_bench"), "decoder/", reps, w("decoder.json"))
     # Peers.
     chroot = ["bash", os.path.join(PEERS, "run.sh")]
     peer_rows = {}
@@ -150,24 +148,6 @@ def main():
                 if py and impl in CAPPED_IMPLS:
                     peer_rows[("pip-avx2", cfg, impl, threads)] = peer(
                         py, cfg, impl, threads, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
-    gqa = {}
-    gqa_script = os.path.join(ROOT, "bench", "peers", "ort_gqa_peer.py")
-    for label, cmd in (("debian", ["bash", os.path.join(PEERS, "debian13_root.sh")]),
-                       ("pip", [os.path.join(args.venv, "bin", "python")] if args.venv else None)):
-        if cmd is None:
-            continue
-        if label == "debian":
-            # The chroot sees the script under /opt/peers.
-            subprocess.run(["cp", gqa_script, "/tmp/peers-debian13/opt/peers/ort_gqa_peer.py"], check=False)
-            full = cmd + ["python3", "/opt/peers/ort_gqa_peer.py"]
-        else:
-            full = cmd + [gqa_script]
-        out = subprocess.run(full, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
-        for line in out.splitlines():
-            if line.startswith("{"):
-                r = json.loads(line)
-                gqa[(label, r["case"])] = r
-
     # ---- report ----
     cmd = "/usr/bin/python3 scripts/run_isa_benchmarks.py --build --venv /tmp/venv" + (" (then --resume)" if args.resume else "") + (
         " --peers-from build-bench/peers_peers.json` (the Debian and pip peers of the peers section's run, just before)"
@@ -216,15 +196,6 @@ def main():
         if n and g:
             L.append(f"| {case} | {stats(n)[0]:.3f} / {stats(n)[1]:.3f} | {stats(g)[0]:.3f} / {stats(g)[1]:.3f} | "
                      f"{stats(g)[1] / stats(n)[1]:.2f}x |")
-    L += ["", "### Today's decoders (decoder_bench, 1 thread) and ONNX Runtime's GroupQueryAttention", "",
-          "| case | sdpa | ORT GQA 1.21 | ORT GQA (pip) |", "|---|---|---|---|"]
-    for name, records in sorted(decoder.items()):
-        short = name.replace("decoder/", "")
-        d = gqa.get(("debian", short)), gqa.get(("pip", short))
-        cell = lambda r: f"{r['min_ms']:.3f} / {r['median_ms']:.3f}" if r else "-"  # noqa: E731
-        L.append(f"| {short} | {stats(records)[0]:.3f} / {stats(records)[1]:.3f} | {cell(d[0])} | {cell(d[1])} |")
-    vers = sorted({r["ort"] for r in gqa.values()})
-    L += ["", f"ONNX Runtime versions: {', '.join(vers) if vers else '-'}."]
     replace_section(args.out, BEGIN, END, L)
     print("\n".join(L))
 
