@@ -5,6 +5,12 @@
 // std::vector. A cache also keeps the scratch a step needs, so that once it has the capacity a step
 // allocates nothing. A sliding-window step may drop entries no later query can see (a rolling buffer); the
 // entries held are then those of positions first_position() .. position() - 1.
+//
+// A float cache may store its entries narrower (sdpa::Storage): bfloat16 or float16 (half the bytes), or
+// int8 with one float scale per (token, head) (symmetric absmax: a little over a quarter of the bytes).
+// Entries are projected (and rotated) in float, then converted once as they are appended; the kernels widen
+// a block of rows at a time while they compute, and keys() / values() / save_kv_cache read them back as
+// stored, so nothing is silently widened or kept twice.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -19,6 +25,8 @@
 #include "sdpa/error.hpp"
 #include "sdpa/kernels/decode.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
+#include "sdpa/simd/dispatch.hpp"
+#include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
 
@@ -30,10 +38,12 @@ class KVCache {
 
   // An empty cache for `batch` sequences of `module` (any module with the same d_model, kv_heads, d_k and
   // d_v can use it), with room for `capacity` entries per sequence. It holds the module's kv_heads
-  // key/value heads (grouped-query attention: h / kv_heads times less than h heads would).
-  KVCache(const ScaledDotProductAttention<Scalar>& module, Index batch, Index capacity = 0)
+  // key/value heads (grouped-query attention: h / kv_heads times less than h heads would). `storage`: how
+  // entries are kept: Scalar itself by default; a KVCache<float> also takes kBFloat16, kFloat16 or kInt8.
+  KVCache(const ScaledDotProductAttention<Scalar>& module, Index batch, Index capacity = 0,
+          Storage storage = native_storage<Scalar>())
       : d_model_(module.d_model()), kv_heads_(module.kv_heads()), d_k_(module.d_k()), d_v_(module.d_v()),
-        batch_(checked_nonnegative("KVCache", "batch", batch)) {
+        batch_(checked_nonnegative("KVCache", "batch", batch)), storage_(checked_storage("KVCache", storage)) {
     checked_nonnegative("KVCache", "capacity", capacity);
     reserve(capacity);
   }
@@ -48,6 +58,16 @@ class KVCache {
   Index kv_heads() const noexcept { return kv_heads_; }
   Index d_k() const noexcept { return d_k_; }
   Index d_v() const noexcept { return d_v_; }
+  Storage storage() const noexcept { return storage_; }
+
+  // The bytes the entries take at the current capacity: keys and values in the storage type, plus int8's
+  // scales (one float per token, head and tensor). The step scratch comes on top.
+  std::size_t bytes() const noexcept {
+    const std::size_t entries = static_cast<std::size_t>(batch_ * capacity_);
+    std::size_t b = entries * static_cast<std::size_t>(kv_heads_ * (d_k_ + d_v_)) * storage_bytes(storage_);
+    if (storage_ == Storage::kInt8) b += 2 * entries * static_cast<std::size_t>(kv_heads_) * sizeof(float);
+    return b;
+  }
 
   // Grows to hold `capacity` entries per sequence, keeping the content; never shrinks.
   void reserve(Index capacity) {
@@ -55,11 +75,9 @@ class KVCache {
     if (capacity <= capacity_) return;
     if (batch_ > 0 && capacity > std::numeric_limits<Index>::max() / batch_ / std::max(kv_heads_ * d_k_, kv_heads_ * d_v_))
       detail::throw_invalid("KVCache::reserve", "capacity", "representable as a number of elements", capacity);
-    detail::Buffer<Scalar> keys(static_cast<std::size_t>(batch_ * capacity * kv_heads_ * d_k_));
-    detail::Buffer<Scalar> values(static_cast<std::size_t>(batch_ * capacity * kv_heads_ * d_v_));
-    copy_entries(keys.data(), values.data(), capacity, keys_.data(), values_.data(), capacity_, size_);
-    keys_ = std::move(keys);
-    values_ = std::move(values);
+    Store fresh = allocate(batch_, capacity);
+    copy_entries(fresh, capacity, size_);
+    store_ = std::move(fresh);
     capacity_ = capacity;
   }
 
@@ -85,26 +103,21 @@ class KVCache {
         detail::throw_invalid("KVCache::reorder", detail::concat("rows[", i, "]"), detail::concat("in [0, ", batch_, ")"),
                               rows[i]);
     const Index batch = static_cast<Index>(rows.size());
-    detail::Buffer<Scalar> keys(static_cast<std::size_t>(batch * capacity_ * kv_heads_ * d_k_));
-    detail::Buffer<Scalar> values(static_cast<std::size_t>(batch * capacity_ * kv_heads_ * d_v_));
-    const Index hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
-    for (Index i = 0; i < batch; ++i) {
-      const Index from = rows[static_cast<std::size_t>(i)];
-      std::copy_n(keys_.data() + from * capacity_ * hk, size_ * hk, keys.data() + i * capacity_ * hk);
-      std::copy_n(values_.data() + from * capacity_ * hv, size_ * hv, values.data() + i * capacity_ * hv);
-    }
-    keys_ = std::move(keys);
-    values_ = std::move(values);
+    Store fresh = allocate(batch, capacity_);
+    for (Index i = 0; i < batch; ++i) copy_sequence(fresh, i, capacity_, rows[static_cast<std::size_t>(i)], 0, size_);
+    store_ = std::move(fresh);
     batch_ = batch;
   }
 
   // The held entries: (batch, size, kv_heads * d_k) projected keys (rotated, when the module has a rotary)
-  // and (batch, size, kv_heads * d_v) values, features head-major as fc_k and fc_v give them.
-  Tensor3 keys() const { return held(keys_.data(), kv_heads_ * d_k_); }
-  Tensor3 values() const { return held(values_.data(), kv_heads_ * d_v_); }
+  // and (batch, size, kv_heads * d_v) values, features head-major as fc_k and fc_v give them; a narrow
+  // cache's entries as stored, converted to Scalar exactly (int8: scale * q).
+  Tensor3 keys() const { return held(false); }
+  Tensor3 values() const { return held(true); }
 
   // Replaces the content (a saved cache being loaded): keys (batch, n, kv_heads * d_k) and values (batch, n,
-  // kv_heads * d_v) become the entries of positions position - n .. position - 1; the batch follows keys.
+  // kv_heads * d_v) become the entries of positions position - n .. position - 1; the batch follows keys. A
+  // narrow cache rounds them to its storage (int8: quantises each token's heads).
   void assign(const Tensor3& keys, const Tensor3& values, Index position) {
     const char* where = "KVCache::assign";
     if (keys.dimension(2) != kv_heads_ * d_k_)
@@ -120,8 +133,35 @@ class KVCache {
     KVCache fresh(*this, keys.dimension(0), keys.dimension(1));
     const Index n = keys.dimension(1), hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
     for (Index b = 0; b < fresh.batch_; ++b) {
-      std::copy_n(keys.data() + b * n * hk, n * hk, fresh.keys_.data() + b * fresh.capacity_ * hk);
-      std::copy_n(values.data() + b * n * hv, n * hv, fresh.values_.data() + b * fresh.capacity_ * hv);
+      fresh.put_rows(false, b, 0, keys.data() + b * n * hk, hk, n);
+      fresh.put_rows(true, b, 0, values.data() + b * n * hv, hv, n);
+    }
+    fresh.size_ = n;
+    fresh.position_ = position;
+    swap(fresh);
+  }
+
+  // Replaces the content with entries already in this cache's storage (load_kv_cache of a file saved from a
+  // cache of the same storage: nothing is rounded twice). Bytes (batch, n, kv_heads * d) each, scales
+  // (batch, n, kv_heads) for int8 (else null).
+  void assign_stored(Index batch, Index n, const void* keys, const void* values, const float* key_scales,
+                     const float* value_scales, Index position) {
+    const char* where = "KVCache::assign_stored";
+    if (batch < 0) detail::throw_invalid(where, "batch", "non-negative", batch);
+    if (n < 0 || position < n) detail::throw_invalid(where, "position", detail::concat("at least the number of entries, ", n), position);
+    if (storage_ == Storage::kInt8 && batch * n > 0 && (key_scales == nullptr || value_scales == nullptr))
+      detail::throw_invalid(where, "key_scales and value_scales", "given for an int8 cache", "null");
+    KVCache fresh(*this, batch, n);
+    const std::size_t es = storage_bytes(storage_);
+    const std::size_t hk = static_cast<std::size_t>(kv_heads_ * d_k_) * es, hv = static_cast<std::size_t>(kv_heads_ * d_v_) * es;
+    const std::size_t rows = static_cast<std::size_t>(batch * n);
+    if (rows > 0) {
+      std::memcpy(fresh.store_.keys.data(), keys, rows * hk);
+      std::memcpy(fresh.store_.values.data(), values, rows * hv);
+      if (storage_ == Storage::kInt8) {
+        std::copy_n(key_scales, rows * static_cast<std::size_t>(kv_heads_), fresh.store_.key_scales.data());
+        std::copy_n(value_scales, rows * static_cast<std::size_t>(kv_heads_), fresh.store_.value_scales.data());
+      }
     }
     fresh.size_ = n;
     fresh.position_ = position;
@@ -138,19 +178,41 @@ class KVCache {
     swap(capacity_, other.capacity_);
     swap(size_, other.size_);
     swap(position_, other.position_);
-    swap(keys_, other.keys_);
-    swap(values_, other.values_);
+    swap(storage_, other.storage_);
+    swap(store_, other.store_);
     swap(q_scratch_, other.q_scratch_);
     swap(att_scratch_, other.att_scratch_);
+    swap(stage_, other.stage_);
     swap(decode_, other.decode_);
   }
+
+  // The stored bytes of sequence b's held entries (row-major, kv_heads * d elements per entry) and, for
+  // int8, its scales (kv_heads per entry): what save_kv_cache writes.
+  const unsigned char* stored_keys(Index b) const noexcept { return bytes_of(store_.keys, b, kv_heads_ * d_k_); }
+  const unsigned char* stored_values(Index b) const noexcept { return bytes_of(store_.values, b, kv_heads_ * d_v_); }
+  const float* stored_key_scales(Index b) const noexcept { return scales_of(store_.key_scales, b); }
+  const float* stored_value_scales(Index b) const noexcept { return scales_of(store_.value_scales, b); }
 
  private:
   friend class ScaledDotProductAttention<Scalar>;
 
-  // An empty cache of this one's shape.
+  // Keys and values (bytes in the storage type) and int8's scales, each (batch, capacity, ...).
+  struct Store {
+    detail::Buffer<unsigned char> keys, values;
+    detail::Buffer<float> key_scales, value_scales;
+    void swap(Store& o) noexcept {
+      std::swap(keys, o.keys);
+      std::swap(values, o.values);
+      std::swap(key_scales, o.key_scales);
+      std::swap(value_scales, o.value_scales);
+    }
+    friend void swap(Store& a, Store& b) noexcept { a.swap(b); }
+  };
+
+  // An empty cache of this one's shape and storage.
   KVCache(const KVCache& shape, Index batch, Index capacity)
-      : d_model_(shape.d_model_), kv_heads_(shape.kv_heads_), d_k_(shape.d_k_), d_v_(shape.d_v_), batch_(batch) {
+      : d_model_(shape.d_model_), kv_heads_(shape.kv_heads_), d_k_(shape.d_k_), d_v_(shape.d_v_), batch_(batch),
+        storage_(shape.storage_) {
     reserve(capacity);
   }
 
@@ -159,18 +221,124 @@ class KVCache {
     return value;
   }
 
-  void copy_entries(Scalar* keys, Scalar* values, Index capacity, const Scalar* old_keys, const Scalar* old_values,
-                    Index old_capacity, Index count) const {
-    const Index hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
-    for (Index b = 0; b < batch_ && count > 0; ++b) {
-      std::copy_n(old_keys + b * old_capacity * hk, count * hk, keys + b * capacity * hk);
-      std::copy_n(old_values + b * old_capacity * hv, count * hv, values + b * capacity * hv);
+  static Storage checked_storage(const char* where, Storage s) {
+    const bool is_float = std::is_same<Scalar, float>::value;
+    const bool known = s == Storage::kFloat32 || s == Storage::kBFloat16 || s == Storage::kFloat16 ||
+                       s == Storage::kInt8 || s == Storage::kFloat64;
+    if (!known) detail::throw_invalid(where, "storage", "a sdpa::Storage", static_cast<int>(s));
+    if (is_float && s == Storage::kFloat64)
+      detail::throw_invalid(where, "storage", "kFloat32, kBFloat16, kFloat16 or kInt8 for a KVCache<float>", storage_name(s));
+    if (!is_float && s != Storage::kFloat64)
+      detail::throw_invalid(where, "storage",
+                            "kFloat64 for a KVCache<double> (narrow storage needs a KVCache<float>: the kernels "
+                            "compute in float)",
+                            storage_name(s));
+    return s;
+  }
+
+  bool narrow() const noexcept { return is_narrow<Scalar>(storage_); }
+
+  Store allocate(Index batch, Index capacity) const {
+    Store s;
+    const std::size_t es = storage_bytes(storage_), entries = static_cast<std::size_t>(batch * capacity);
+    s.keys.reset(entries * static_cast<std::size_t>(kv_heads_ * d_k_) * es);
+    s.values.reset(entries * static_cast<std::size_t>(kv_heads_ * d_v_) * es);
+    if (storage_ == Storage::kInt8) {
+      s.key_scales.reset(entries * static_cast<std::size_t>(kv_heads_));
+      s.value_scales.reset(entries * static_cast<std::size_t>(kv_heads_));
+    }
+    return s;
+  }
+
+  // count entries of sequence `from` starting at entry `from_at` of this cache into sequence `to` at entry 0
+  // of `dst` (whose capacity is dst_capacity).
+  void copy_sequence(Store& dst, Index to, Index dst_capacity, Index from, Index from_at, Index count) const {
+    if (count <= 0) return;
+    const std::size_t es = storage_bytes(storage_);
+    const auto copy = [&](unsigned char* d, const unsigned char* s, Index width) {
+      const std::size_t row = static_cast<std::size_t>(width) * es;
+      std::memmove(d + static_cast<std::size_t>(to * dst_capacity) * row, s + static_cast<std::size_t>(from * capacity_ + from_at) * row,
+                   static_cast<std::size_t>(count) * row);
+    };
+    copy(dst.keys.data(), store_.keys.data(), kv_heads_ * d_k_);
+    copy(dst.values.data(), store_.values.data(), kv_heads_ * d_v_);
+    if (storage_ == Storage::kInt8) {
+      const Index g = kv_heads_;
+      std::memmove(dst.key_scales.data() + (to * dst_capacity) * g, store_.key_scales.data() + (from * capacity_ + from_at) * g,
+                   static_cast<std::size_t>(count * g) * sizeof(float));
+      std::memmove(dst.value_scales.data() + (to * dst_capacity) * g,
+                   store_.value_scales.data() + (from * capacity_ + from_at) * g, static_cast<std::size_t>(count * g) * sizeof(float));
     }
   }
 
-  Tensor3 held(const Scalar* data, Index width) const {
+  void copy_entries(Store& dst, Index dst_capacity, Index count) const {
+    for (Index b = 0; b < batch_ && count > 0; ++b) copy_sequence(dst, b, dst_capacity, b, 0, count);
+  }
+
+  const unsigned char* bytes_of(const detail::Buffer<unsigned char>& buf, Index b, Index width) const noexcept {
+    return buf.data() + static_cast<std::size_t>(b * capacity_ * width) * storage_bytes(storage_);
+  }
+  const float* scales_of(const detail::Buffer<float>& buf, Index b) const noexcept {
+    return storage_ == Storage::kInt8 ? buf.data() + b * capacity_ * kv_heads_ : nullptr;
+  }
+
+  // Entries [at, at + n) of sequence b from n float rows of `width` (ld apart), converted to the storage.
+  void put_rows(bool values, Index b, Index at, const Scalar* src, Index ld, Index n) {
+    const Index d = values ? d_v_ : d_k_, width = kv_heads_ * d;
+    unsigned char* dst = (values ? store_.values : store_.keys).data() +
+                         static_cast<std::size_t>((b * capacity_ + at) * width) * storage_bytes(storage_);
+    float* scales = storage_ == Storage::kInt8 ? (values ? store_.value_scales : store_.key_scales).data() +
+                                                     (b * capacity_ + at) * kv_heads_
+                                               : nullptr;
+    for (Index r = 0; r < n; ++r) {
+      const Scalar* row = src + r * ld;
+      switch (storage_) {
+        case Storage::kBFloat16: {
+          auto* out = reinterpret_cast<BFloat16*>(dst) + r * width;
+          for (Index c = 0; c < width; ++c) out[c] = to_bfloat16(static_cast<float>(row[c]));
+          break;
+        }
+        case Storage::kFloat16: {
+          auto* out = reinterpret_cast<Float16*>(dst) + r * width;
+          for (Index c = 0; c < width; ++c) out[c] = to_float16(static_cast<float>(row[c]));
+          break;
+        }
+        case Storage::kInt8: {
+          if constexpr (std::is_same<Scalar, float>::value) {
+            auto* out = reinterpret_cast<std::int8_t*>(dst) + r * width;
+            for (Index g = 0; g < kv_heads_; ++g) scales[r * kv_heads_ + g] = quantize_int8(row + g * d, d, out + g * d);
+          }
+          break;
+        }
+        default:
+          std::copy_n(row, width, reinterpret_cast<Scalar*>(dst) + r * width);
+          break;
+      }
+    }
+  }
+
+  Tensor3 held(bool values) const {
+    const Index width = kv_heads_ * (values ? d_v_ : d_k_);
     Tensor3 out(batch_, size_, width);
-    for (Index b = 0; b < batch_; ++b) std::copy_n(data + b * capacity_ * width, size_ * width, out.data() + b * size_ * width);
+    for (Index b = 0; b < batch_; ++b) {
+      Scalar* dst = out.data() + b * size_ * width;
+      const unsigned char* src = bytes_of(values ? store_.values : store_.keys, b, width);
+      const float* scales = scales_of(values ? store_.value_scales : store_.key_scales, b);
+      if (!narrow()) {
+        std::copy_n(reinterpret_cast<const Scalar*>(src), size_ * width, dst);
+        continue;
+      }
+      if constexpr (std::is_same<Scalar, float>::value) {
+        const Isa isa = Isa::kPortable;  // a copy for inspection: the scalar conversions, exactly
+        const Index span = values ? d_v_ : d_k_;
+        if (storage_ == Storage::kBFloat16)
+          simd::widen_rows(isa, reinterpret_cast<const BFloat16*>(src), width, size_, width, nullptr, Index{0}, width, dst, width);
+        else if (storage_ == Storage::kFloat16)
+          simd::widen_rows(isa, reinterpret_cast<const Float16*>(src), width, size_, width, nullptr, Index{0}, width, dst, width);
+        else
+          simd::widen_rows(isa, reinterpret_cast<const std::int8_t*>(src), width, size_, width, scales, kv_heads_, span, dst, width);
+      }
+    }
     return out;
   }
 
@@ -183,20 +351,21 @@ class KVCache {
   void drop_front(Index count) {
     count = std::clamp<Index>(count, 0, size_);
     if (count == 0) return;
-    const Index hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
-    for (Index b = 0; b < batch_; ++b) {
-      Scalar* k = key_rows(b);
-      Scalar* v = value_rows(b);
-      std::memmove(k, k + count * hk, static_cast<std::size_t>((size_ - count) * hk) * sizeof(Scalar));
-      std::memmove(v, v + count * hv, static_cast<std::size_t>((size_ - count) * hv) * sizeof(Scalar));
-    }
+    for (Index b = 0; b < batch_; ++b) copy_sequence(store_, b, capacity_, b, count, size_ - count);
     size_ -= count;
   }
 
-  Scalar* key_rows(Index b) noexcept { return keys_.data() + b * capacity_ * kv_heads_ * d_k_; }
-  Scalar* value_rows(Index b) noexcept { return values_.data() + b * capacity_ * kv_heads_ * d_v_; }
-  const Scalar* key_rows(Index b) const noexcept { return keys_.data() + b * capacity_ * kv_heads_ * d_k_; }
-  const Scalar* value_rows(Index b) const noexcept { return values_.data() + b * capacity_ * kv_heads_ * d_v_; }
+  // Sequence b's entries as Scalar, for a cache that stores Scalar itself (the module projects into them).
+  Scalar* key_rows(Index b) noexcept { return reinterpret_cast<Scalar*>(store_.keys.data()) + b * capacity_ * kv_heads_ * d_k_; }
+  Scalar* value_rows(Index b) noexcept {
+    return reinterpret_cast<Scalar*>(store_.values.data()) + b * capacity_ * kv_heads_ * d_v_;
+  }
+  const Scalar* key_rows(Index b) const noexcept {
+    return reinterpret_cast<const Scalar*>(store_.keys.data()) + b * capacity_ * kv_heads_ * d_k_;
+  }
+  const Scalar* value_rows(Index b) const noexcept {
+    return reinterpret_cast<const Scalar*>(store_.values.data()) + b * capacity_ * kv_heads_ * d_v_;
+  }
 
   // Scratch of a step, grown to the largest step seen (count elements each).
   Scalar* scratch(detail::Buffer<Scalar>& buf, Index count) {
@@ -206,8 +375,10 @@ class KVCache {
 
   Index d_model_, kv_heads_, d_k_, d_v_;
   Index batch_ = 0, capacity_ = 0, size_ = 0, position_ = 0;
-  detail::Buffer<Scalar> keys_, values_;
+  Storage storage_ = native_storage<Scalar>();
+  Store store_;
   detail::Buffer<Scalar> q_scratch_, att_scratch_;
+  detail::Buffer<Scalar> stage_;  // a narrow cache's new entries in float, before they are converted
   kernels::DecodeWorkspace<Scalar> decode_;
 };
 

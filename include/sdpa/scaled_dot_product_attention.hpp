@@ -121,14 +121,26 @@ class ScaledDotProductAttention {
     LinearType* layers[4] = {&fc_q_, &fc_k_, &fc_v_, &fc_o_};
     for (int i = 0; i < 4; ++i) {
       Philox gen(seed_, static_cast<std::uint64_t>(i));
-      policy.linear(layers[i]->weight(), layers[i]->bias(), gen);
+      init_layer(*layers[i], policy, gen);
     }
   }
 
   template <typename Policy, typename Gen>
   void init_weights(const Policy& policy, Gen& gen) {
-    for (LinearType* layer : {&fc_q_, &fc_k_, &fc_v_, &fc_o_}) policy.linear(layer->weight(), layer->bias(), gen);
+    for (LinearType* layer : {&fc_q_, &fc_k_, &fc_v_, &fc_o_}) init_layer(*layer, policy, gen);
   }
+
+  // ---- Weight storage ----
+
+  // Stores the four layers' weights as `storage` (Linear::set_weight_storage): a float module takes
+  // kFloat32, kBFloat16 or kFloat16 (half the weights' bytes; biases stay float). The forward, decoding and
+  // attention calls read narrow weights while they pack them, computing exactly what the float module with
+  // the rounded weights computes; training (forward with a state, backward, named_parameters, optimizers)
+  // needs Scalar weights and refuses narrow ones with std::invalid_argument.
+  void set_weight_storage(Storage storage) {
+    for (LinearType* layer : {&fc_q_, &fc_k_, &fc_v_, &fc_o_}) layer->set_weight_storage(storage);
+  }
+  Storage weight_storage() const noexcept { return fc_q_.weight_storage(); }
 
   // queries (batch, nq, d_model), keys and values (batch, nk, d_model): an Eigen::Tensor<Scalar, 3, RowMajor>
   // or a TensorMap of that layout (read in place), or any rank-3 row-major tensor expression of Scalar
@@ -166,6 +178,7 @@ class ScaledDotProductAttention {
     SDPA_DETAIL_CHECK_INPUT(V, Scalar);
     if constexpr (detail::is_valid_input<Q, Scalar>() && detail::is_valid_input<K, Scalar>() &&
                   detail::is_valid_input<V, Scalar>()) {
+      check_scalar_weights("ScaledDotProductAttention::forward (with a ForwardState)");
       const detail::Inputs<Scalar> in(queries, keys, values);
       return forward_impl(in.q(), in.k(), in.v(), options, &state);
     } else {
@@ -179,6 +192,7 @@ class ScaledDotProductAttention {
   // (it is not consumed), but only with this module, and the module's parameters must not have changed
   // since its forward. q = k = v: the input's gradient is queries + keys + values.
   Gradients<Scalar> backward(const Tensor3& grad_output, const ForwardState<Scalar>& state) const {
+    check_scalar_weights("ScaledDotProductAttention::backward");
     return backward_impl(grad_output, state);
   }
 
@@ -330,8 +344,15 @@ class ScaledDotProductAttention {
   const LinearType& fc_o() const noexcept { return fc_o_; }
 
   // The parameters in state_dict order, by their PyTorch names.
-  std::vector<ParameterRef<Scalar>> named_parameters() { return collect<Scalar>(*this); }
-  std::vector<ParameterRef<const Scalar>> named_parameters() const { return collect<const Scalar>(*this); }
+  // Scalar weights only: a module whose weights are stored narrower refuses (std::invalid_argument).
+  std::vector<ParameterRef<Scalar>> named_parameters() {
+    check_scalar_weights("ScaledDotProductAttention::named_parameters");
+    return collect<Scalar>(*this);
+  }
+  std::vector<ParameterRef<const Scalar>> named_parameters() const {
+    check_scalar_weights("ScaledDotProductAttention::named_parameters");
+    return collect<const Scalar>(*this);
+  }
 
   ParameterRef<Scalar> parameter(const std::string& name) { return find(named_parameters(), name); }
   ParameterRef<const Scalar> parameter(const std::string& name) const { return find(named_parameters(), name); }
@@ -382,6 +403,23 @@ class ScaledDotProductAttention {
       detail::throw_invalid("ScaledDotProductAttention", "kv_heads",
                             detail::concat("0 (as many as h) or a divisor of h = ", h), kv_heads);
     return kv_heads;
+  }
+
+  template <typename Policy, typename Gen>
+  static void init_layer(LinearType& layer, const Policy& policy, Gen& gen) {
+    if (layer.weight_storage() == native_storage<Scalar>()) return policy.linear(layer.weight(), layer.bias(), gen);
+    typename LinearType::Weight w(layer.out_features(), layer.in_features());  // drawn in Scalar, then rounded
+    policy.linear(w, layer.bias(), gen);
+    layer.set_weight_values(w);
+  }
+
+  void check_scalar_weights(const char* where) const {
+    if (weight_storage() != native_storage<Scalar>())
+      detail::throw_invalid(where, "the module's weight storage",
+                            detail::concat(storage_name(native_storage<Scalar>()),
+                                           " (training and named_parameters need Scalar weights: "
+                                           "set_weight_storage(", storage_name(native_storage<Scalar>()), ") first)"),
+                            storage_name(weight_storage()));
   }
 
   static Scalar checked_dropout(Scalar p) {
@@ -460,9 +498,7 @@ class ScaledDotProductAttention {
     const Index rows_q = qv.dims()[0] * qv.dims()[1], rows_k = kv.dims()[0] * kv.dims()[1];
     const bool kv_same = kv.data() == vv.data() && kv.dims() == vv.dims();
     const bool qk_same = kv_same && qv.data() == kv.data() && qv.dims() == kv.dims();
-    auto target = [](const LinearType& layer, Scalar* y, Index ldy) {
-      return Target{layer.weight().data(), layer.bias().data(), layer.out_features(), y, ldy};
-    };
+    auto target = [](const LinearType& layer, Scalar* y, Index ldy) { return layer.target(y, ldy); };
     // One pass of `targets` over input rows [r0, r1) (target rows likewise).
     auto pass = [&](const Scalar* x, Index r0, Index r1, std::vector<Target> targets) {
       if (r1 <= r0) return;
@@ -781,6 +817,11 @@ class ScaledDotProductAttention {
                                            ", d_v ", d_v_),
                             detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ",
                                            cache.d_k(), ", d_v ", cache.d_v()));
+    if (is_narrow<Scalar>(cache.storage()) && kernel_ == Kernel::kReference)
+      detail::throw_invalid(where, "the module's kernel (set_kernel)",
+                            detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage()),
+                                           " (the reference kernel reads Scalar keys only)"),
+                            "kReference");
   }
 
   void check_decoding_input(const View& in, const char* name, Index batch, const char* where) const {
@@ -823,12 +864,18 @@ class ScaledDotProductAttention {
     const Index at = cache.size_;
     const bool kv_same = kv.data() == vv.data() && kv.dims() == vv.dims();
     auto target = [](const LinearType& layer, Scalar* y, Index ldy, Index group_rows, Index group_stride) {
-      Target t{layer.weight().data(), layer.bias().data(), layer.out_features(), y, ldy};
+      Target t = layer.target(y, ldy);
       t.group_rows = group_rows;
       t.group_stride = group_stride;
       return t;
     };
     if (batch * n == 0) {
+      cache.size_ += n;
+      cache.position_ += n;
+      return;
+    }
+    if (cache.narrow()) {
+      project_into_narrow_cache(kv, vv, kv_same, cache, device, q_out);
       cache.size_ += n;
       cache.position_ += n;
       return;
@@ -864,6 +911,58 @@ class ScaledDotProductAttention {
     cache.position_ += n;
   }
 
+  // project_into_cache for a cache that stores its entries narrower than Scalar: keys and values are
+  // projected (and keys rotated) in Scalar into the cache's stage, rows of at most kStageRows tokens at a
+  // time, then converted into place. Queries go to q_out as for any cache.
+  void project_into_narrow_cache(const View& kv, const View& vv, bool kv_same, KVCache<Scalar>& cache,
+                                 const Eigen::ThreadPoolDevice* device, Scalar* q_out) const {
+    using Target = kernels::ProjectionTarget<Scalar>;
+    constexpr Index kStageRows = 256;
+    const Index batch = cache.batch(), n = kv.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
+    const Index at = cache.size_;
+    auto target = [](const LinearType& layer, Scalar* y, Index ldy) { return layer.target(y, ldy); };
+    if (batch * n <= 16) {
+      // A decoding step: every weight row read once for all rows of the batch.
+      Scalar* sk = cache.scratch(cache.stage_, batch * n * (hk + hv));
+      Scalar* sv = sk + batch * n * hk;
+      Target targets[3];
+      std::size_t count = 0;
+      if (q_out != nullptr) targets[count++] = target(fc_q_, q_out, hq);
+      targets[count++] = target(fc_k_, sk, hk);
+      if (kv_same) targets[count++] = target(fc_v_, sv, hv);
+      kernels::project_few_rows<Scalar>(kv.data(), batch * n, d_model_, d_model_, targets, count, device);
+      if (!kv_same) {
+        const Target tv = target(fc_v_, sv, hv);
+        kernels::project_few_rows<Scalar>(vv.data(), batch * n, d_model_, d_model_, &tv, 1, device);
+      }
+      rotate(sk, batch, n * hk, n, hk, kv_heads_, cache.position_);
+      rotate(q_out, batch, n * hq, n, hq, h_, cache.position_);
+      for (Index b = 0; b < batch; ++b) {
+        cache.put_rows(false, b, at, sk + b * n * hk, hk, n);
+        cache.put_rows(true, b, at, sv + b * n * hv, hv, n);
+      }
+      return;
+    }
+    const Index rows = std::min(n, kStageRows);
+    Scalar* sk = cache.scratch(cache.stage_, rows * (hk + hv));
+    Scalar* sv = sk + rows * hk;
+    for (Index b = 0; b < batch; ++b) {
+      for (Index r0 = 0; r0 < n; r0 += rows) {
+        const Index m = std::min(rows, n - r0);
+        std::vector<Target> targets;
+        if (q_out != nullptr) targets.push_back(target(fc_q_, q_out + (b * n + r0) * hq, hq));
+        targets.push_back(target(fc_k_, sk, hk));
+        if (kv_same) targets.push_back(target(fc_v_, sv, hv));
+        kernels::project_rows<Scalar>(kv.data() + (b * n + r0) * d_model_, m, d_model_, targets, device);
+        if (!kv_same) kernels::project_rows<Scalar>(vv.data() + (b * n + r0) * d_model_, m, d_model_, {target(fc_v_, sv, hv)}, device);
+        rotate(sk, 1, 0, m, hk, kv_heads_, cache.position_ + r0);
+        cache.put_rows(false, b, at + r0, sk, hk, m);
+        cache.put_rows(true, b, at + r0, sv, hv, m);
+      }
+    }
+    rotate(q_out, batch, n * hq, n, hq, h_, cache.position_);
+  }
+
   // The attention of projected (and rotated) queries q (batch, nq, h * d_k) to the cache's entries, then
   // fc_o into out.
   void attend_projected(const Scalar* q, Index nq, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options,
@@ -874,13 +973,25 @@ class ScaledDotProductAttention {
     kernels::AttentionProblem<Scalar> p =
         detail::problem_of(call_shape(where, batch, nq, nk), options, masked_rows_, causal, nk - nq);
     p.q = {q, nq * hq, hq, d_k_};
-    p.k = {cache.key_rows(0), cache.capacity() * hk, hk, d_k_};
-    p.v = {cache.value_rows(0), cache.capacity() * kv, kv, d_v_};
+    if (cache.narrow()) {
+      // Entries stored narrower than Scalar: the kernels widen them a block at a time.
+      p.k = {nullptr, cache.capacity() * hk, hk, d_k_};
+      p.v = {nullptr, cache.capacity() * kv, kv, d_v_};
+      p.kv_storage = cache.storage();
+      p.k_stored = cache.stored_keys(0);
+      p.v_stored = cache.stored_values(0);
+      p.k_scales = cache.stored_key_scales(0);
+      p.v_scales = cache.stored_value_scales(0);
+      p.scale_batch_stride = cache.capacity() * kv_heads_;
+    } else {
+      p.k = {cache.key_rows(0), cache.capacity() * hk, hk, d_k_};
+      p.v = {cache.value_rows(0), cache.capacity() * kv, kv, d_v_};
+    }
     p.out = {att, nq * hv, hv, d_v_};
     draw_dropout(p);
     detail::run_attention(p, kernel_, &workspace, options.device);
     if (batch * nq <= 16) {
-      const kernels::ProjectionTarget<Scalar> to{fc_o_.weight().data(), fc_o_.bias().data(), d_model_, out, d_model_};
+      const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
       kernels::project_few_rows<Scalar>(att, batch * nq, hv, hv, &to, 1, options.device);
     } else {
       fc_o_.forward_rows(att, batch * nq, hv, out, d_model_, options.device);
@@ -906,7 +1017,7 @@ class ScaledDotProductAttention {
     if (batch * nq == 0) return;
     detail::Buffer<Scalar> qbuf(static_cast<std::size_t>(batch * nq * hq));
     kernels::project_rows<Scalar>(q.data(), batch * nq, d_model_,
-                                  {{fc_q_.weight().data(), fc_q_.bias().data(), hq, qbuf.data(), hq}}, options.device);
+                                  {fc_q_.target(qbuf.data(), hq)}, options.device);
     // The queries are the last nq positions.
     rotate(qbuf.data(), batch, nq * hq, nq, hq, h_, cache.position() - nq);
     detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * h_ * d_v_));

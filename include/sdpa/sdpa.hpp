@@ -18,4 +18,5 @@
 #include "sdpa/random.hpp"
 #include "sdpa/rotary.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
+#include "sdpa/storage.hpp"
 #include "sdpa/version.hpp"

@@ -25,6 +25,7 @@
 #include "sdpa/gemm/packed.hpp"
 #include "sdpa/gemm/workspace.hpp"
 #include "sdpa/parallel.hpp"
+#include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
 namespace gemm {
@@ -87,6 +88,9 @@ struct BiasedProduct {
   const Scalar* bias;
   Scalar* c;
   Eigen::Index ldc;
+  // W stored as bfloat16 or float16 (float products only): at w_stored, w null; widened as it is packed.
+  Storage storage = native_storage<Scalar>();
+  const void* w_stored = nullptr;
 };
 
 // Several projections of the same A[m, k] (lda) at once: one pass over the k blocks whose tiles, of all
@@ -105,7 +109,7 @@ void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, const Scalar* a, Eigen:
     for (std::size_t o = 0; o < group; ++o) {
       const BiasedProduct<Scalar>& p = products[o0 + o];
       detail::check_operands(m, p.n, k, lda, k, p.ldw, p.ldc);
-      outputs[o] = {p.n, p.w, p.ldw, /*transposed=*/true, p.bias, p.c, p.ldc};
+      outputs[o] = {p.n, p.w, p.ldw, /*transposed=*/true, p.bias, p.c, p.ldc, p.storage, p.w_stored};
     }
     detail::gemm_loops<Scalar>(isa, m, k, Scalar(1), a, lda, outputs, group, Scalar(0), device, workspace);
   }

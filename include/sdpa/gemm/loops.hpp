@@ -26,6 +26,7 @@
 #include "sdpa/gemm/kernel.hpp"
 #include "sdpa/gemm/workspace.hpp"
 #include "sdpa/parallel.hpp"
+#include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
 namespace gemm {
@@ -108,10 +109,20 @@ struct Output {
   const Scalar* bias = nullptr;
   Scalar* c = nullptr;
   Eigen::Index ldc = 0;
+  // B (transposed: b[n, k]) stored as bfloat16 or float16 at b_stored (b null), float products only: its
+  // values are widened as they are packed, so the micro-kernels see exactly the float B of those values.
+  Storage b_storage = native_storage<Scalar>();
+  const void* b_stored = nullptr;
 
   // Packs B's columns [j0, j0 + cols) over k in [p0, p0 + kcp) into kernel K's nr-wide slivers at dst.
   template <typename K>
   void pack_b(Eigen::Index j0, Eigen::Index cols, Eigen::Index p0, Eigen::Index kcp, Scalar* dst) const noexcept {
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (b_storage == Storage::kBFloat16)
+        return K::pack_b_rows(cols, kcp, static_cast<const BFloat16*>(b_stored) + j0 * ldb + p0, ldb, dst);
+      if (b_storage == Storage::kFloat16)
+        return K::pack_b_rows(cols, kcp, static_cast<const Float16*>(b_stored) + j0 * ldb + p0, ldb, dst);
+    }
     if (transposed) K::pack_b_rows(cols, kcp, b + j0 * ldb + p0, ldb, dst);
     else K::pack_b_cols(cols, kcp, b + p0 * ldb + j0, ldb, dst);
   }

@@ -17,20 +17,31 @@
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
+#include <type_traits>
+
+#include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
 namespace gemm {
 namespace detail {
 
-// dst[s][p][w] = src[(s * W + w) * ld + p], or 0 past count; s < ceil(count / W), p < depth.
-template <Eigen::Index W, typename Scalar>
-void pack_rows(Eigen::Index count, Eigen::Index depth, const Scalar* src, Eigen::Index ld, Scalar* dst) noexcept {
+// A source value as Scalar: itself, or a stored one (bfloat16, float16) widened exactly.
+template <typename Scalar, typename T>
+Scalar source_value(T x) noexcept {
+  if constexpr (std::is_same<T, Scalar>::value) return x;
+  else return static_cast<Scalar>(to_float(x));
+}
+
+// dst[s][p][w] = src[(s * W + w) * ld + p], or 0 past count; s < ceil(count / W), p < depth. T is Scalar or
+// a stored type.
+template <Eigen::Index W, typename T, typename Scalar>
+void pack_rows(Eigen::Index count, Eigen::Index depth, const T* src, Eigen::Index ld, Scalar* dst) noexcept {
   using Index = Eigen::Index;
   for (Index s = 0; s < count; s += W) {
     const Index lines = std::min(W, count - s);
     for (Index w = 0; w < lines; ++w) {
-      const Scalar* line = src + (s + w) * ld;
-      for (Index p = 0; p < depth; ++p) dst[p * W + w] = line[p];
+      const T* line = src + (s + w) * ld;
+      for (Index p = 0; p < depth; ++p) dst[p * W + w] = source_value<Scalar>(line[p]);
     }
     for (Index w = lines; w < W; ++w) {
       for (Index p = 0; p < depth; ++p) dst[p * W + w] = Scalar(0);

@@ -328,15 +328,20 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
   o.softcap = static_cast<Scalar>(c.softcap);
   o.scale = static_cast<Scalar>(c.scale);
   o.sinks = sinks;
-  // Everything read: the module changes now.
+  // Everything read: the module changes now (weights rounded to the module's weight storage, if narrower).
   const auto put = [](const std::vector<Scalar>& from, Scalar* to) { std::copy(from.begin(), from.end(), to); };
-  put(wq, module.fc_q().weight().data());
+  const auto put_weight = [](const std::vector<Scalar>& from, Linear<Scalar>& layer) {
+    typename Linear<Scalar>::Weight w(layer.out_features(), layer.in_features());
+    std::copy(from.begin(), from.end(), w.data());
+    layer.set_weight_values(w);
+  };
+  put_weight(wq, module.fc_q());
   put(bq, module.fc_q().bias().data());
-  put(wk, module.fc_k().weight().data());
+  put_weight(wk, module.fc_k());
   put(bk, module.fc_k().bias().data());
-  put(wv, module.fc_v().weight().data());
+  put_weight(wv, module.fc_v());
   put(bv, module.fc_v().bias().data());
-  put(wo, module.fc_o().weight().data());
+  put_weight(wo, module.fc_o());
   put(bo, module.fc_o().bias().data());
   if (c.has_rotary) module.set_rotary(c.rotary);
   else module.clear_rotary();

@@ -35,6 +35,7 @@
 #include "sdpa/error.hpp"
 #include "sdpa/kv_cache.hpp"
 #include "sdpa/parameter.hpp"
+#include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
 
@@ -48,6 +49,10 @@ struct LoadOptions {
   // Tensors under the prefix that the module does not have are an error unless this is set (as PyTorch's
   // load_state_dict(strict=True) refuses unexpected keys). Tensors outside the prefix are always ignored.
   bool ignore_unexpected = false;
+  // A float module keeps the file's dtype for its weights when the four projection weights are all BF16 or
+  // all F16 (set_weight_storage: half the memory, nothing rounded); otherwise, or when this is not set, the
+  // weights take the module's current weight storage (a narrow module's rounded to it).
+  bool keep_dtype = false;
 };
 
 // The reference implementation's cap: a header beyond it is corruption, not a model.
@@ -476,37 +481,7 @@ inline double double_from_bits(std::uint64_t bits) {
 }  // namespace safetensors
 }  // namespace detail
 
-// IEEE binary16 -> binary32, exact (every half is a float): subnormals are normalised, infinities kept,
-// NaNs keep sign and payload and come out quiet, as PyTorch's conversion gives them.
-inline float half_to_float(std::uint16_t h) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exponent = (h >> 10) & 0x1Fu;
-  std::uint32_t mantissa = h & 0x3FFu;
-  std::uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
-  } else if (exponent == 0) {
-    if (mantissa == 0) {
-      bits = sign;
-    } else {  // mantissa * 2^-24: shift the leading one up to the implicit bit, one exponent step each
-      std::uint32_t e = 113;  // 127 - 15 + 1
-      while ((mantissa & 0x400u) == 0) {
-        mantissa <<= 1;
-        --e;
-      }
-      bits = sign | (e << 23) | ((mantissa & 0x3FFu) << 13);
-    }
-  } else {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  }
-  return detail::safetensors::float_from_bits(bits);
-}
-
-// bfloat16 is the top half of a binary32: the conversion is a shift, exact for every value, NaN payloads
-// included (PyTorch does the same).
-inline float bfloat16_to_float(std::uint16_t b) noexcept {
-  return detail::safetensors::float_from_bits(static_cast<std::uint32_t>(b) << 16);
-}
+// half_to_float and bfloat16_to_float: sdpa/storage.hpp.
 
 // Parses and validates a whole safetensors file held in memory: header length, JSON schema, dtypes,
 // shapes, offsets and their exact tiling of the data buffer. The result points into `bytes`.
@@ -616,14 +591,18 @@ std::vector<std::pair<std::string, long long>> shape_metadata(const Module& modu
           {prefix + "sdpa.kv_heads", static_cast<long long>(module.kv_heads())}};
 }
 // A saved cache records the heads it holds (kv_heads), not the module's query heads.
-template <typename Scalar>
-struct CacheTensors;
-template <typename Scalar>
-std::vector<std::pair<std::string, long long>> shape_metadata(const CacheTensors<Scalar>& cache, const std::string& prefix) {
+template <class Cache>
+std::vector<std::pair<std::string, long long>> cache_shape_metadata(const Cache& cache, const std::string& prefix) {
   return {{prefix + "sdpa.d_model", static_cast<long long>(cache.d_model())},
           {prefix + "sdpa.d_k", static_cast<long long>(cache.d_k())},
           {prefix + "sdpa.d_v", static_cast<long long>(cache.d_v())},
           {prefix + "sdpa.kv_heads", static_cast<long long>(cache.kv_heads())}};
+}
+template <typename Scalar>
+struct CacheTensors;
+template <typename Scalar>
+std::vector<std::pair<std::string, long long>> shape_metadata(const CacheTensors<Scalar>& cache, const std::string& prefix) {
+  return cache_shape_metadata(cache, prefix);
 }
 }  // namespace safetensors
 }  // namespace detail
@@ -631,9 +610,55 @@ std::vector<std::pair<std::string, long long>> shape_metadata(const CacheTensors
 // Copies the module's parameters from a parsed file: each named prefix + its PyTorch name ("fc_q.weight"),
 // of exactly the parameter's shape. All tensors are checked and converted first and copied only then, so
 // a refused file leaves the module as it was.
+namespace detail {
+namespace safetensors {
+template <class Module, class = void>
+struct HasWeightStorage : std::false_type {};
+template <class Module>
+struct HasWeightStorage<Module, std::void_t<decltype(std::declval<Module&>().set_weight_storage(Storage::kFloat32)),
+                                            decltype(std::declval<const Module&>().weight_storage())>> : std::true_type {};
+
+// The values of a parsed file into a module whose parameters are Scalar (see load_safetensors).
+template <class Module>
+void load_values(Module& module, const SafetensorsFile& file, const std::string& prefix, LoadOptions options);
+}  // namespace safetensors
+}  // namespace detail
+
 template <class Module>
 void load_safetensors(Module& module, const SafetensorsFile& file, const std::string& prefix = "",
                       LoadOptions options = {}) {
+  namespace st = detail::safetensors;
+  if constexpr (st::HasWeightStorage<Module>::value) {
+    // Weights stored narrower are widened (exactly) while the file's values come in, then stored again: as
+    // the file has them with keep_dtype (when they are all BF16 or all F16), else as they were.
+    using Scalar = typename std::remove_reference_t<decltype(module.fc_q().bias())>::Scalar;
+    const Storage before = module.weight_storage();
+    Storage after = before;
+    if (options.keep_dtype && std::is_same<Scalar, float>::value) {
+      std::set<std::string> dtypes;
+      for (const char* layer : {"fc_q", "fc_k", "fc_v", "fc_o"}) {
+        const SafetensorsTensor* t = file.find(prefix + layer + ".weight");
+        dtypes.insert(t != nullptr ? t->dtype : "");
+      }
+      if (dtypes.size() == 1 && *dtypes.begin() == "BF16") after = Storage::kBFloat16;
+      if (dtypes.size() == 1 && *dtypes.begin() == "F16") after = Storage::kFloat16;
+    }
+    module.set_weight_storage(native_storage<Scalar>());
+    try {
+      st::load_values(module, file, prefix, options);
+    } catch (...) {
+      module.set_weight_storage(before);  // the values are unchanged: back exactly as they were
+      throw;
+    }
+    module.set_weight_storage(after);
+  } else {
+    st::load_values(module, file, prefix, options);
+  }
+}
+
+template <class Module>
+void detail::safetensors::load_values(Module& module, const SafetensorsFile& file, const std::string& prefix,
+                                      LoadOptions options) {
   namespace st = detail::safetensors;
   auto params = module.named_parameters();
   using Ref = typename decltype(params)::value_type;
@@ -719,27 +744,112 @@ void load_safetensors_from_memory(Module& module, const std::uint8_t* bytes, std
   load_safetensors(module, parse_safetensors(bytes, size, name_for_errors), prefix, options);
 }
 
+namespace detail {
+namespace safetensors {
+// One tensor to write: `count` elements of element_bytes (1, 2, 4 or 8) each at data, in host order.
+struct RawTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<Eigen::Index> shape;
+  const void* data = nullptr;
+  std::size_t element_bytes = 4;
+
+  std::size_t count() const noexcept {
+    std::size_t n = 1;
+    for (Eigen::Index d : shape) n *= static_cast<std::size_t>(d);
+    return n;
+  }
+};
+
+// A safetensors file of these tensors, sorted by name and contiguous, "__metadata__" first when there is
+// any, the header padded with spaces to a multiple of 8 as the reference implementation does, so the data
+// is aligned; every element written little-endian.
+inline std::vector<std::uint8_t> write_tensors(std::vector<RawTensor> tensors, const std::map<std::string, std::string>& metadata,
+                                               const std::string& name_for_errors) {
+  std::sort(tensors.begin(), tensors.end(), [](const RawTensor& a, const RawTensor& b) { return a.name < b.name; });
+  auto json_string = [&](const std::string& s) {
+    try {
+      return nlohmann::json(s).dump();  // strict: bytes that are not UTF-8 cannot be written as JSON
+    } catch (const nlohmann::json::exception&) {
+      fail(name_for_errors, "cannot save " + quote(s) + ": it is not valid UTF-8");
+    }
+  };
+  std::string header = "{";
+  if (!metadata.empty()) {
+    header += "\"__metadata__\":{";
+    bool first = true;
+    for (const auto& kv : metadata) {
+      header += (first ? "" : ",") + json_string(kv.first) + ":" + json_string(kv.second);
+      first = false;
+    }
+    header += "}";
+  }
+  std::uint64_t offset = 0;
+  for (const RawTensor& t : tensors) {
+    if (t.name == "__metadata__") fail(name_for_errors, "a tensor cannot be named \"__metadata__\"");
+    const std::uint64_t bytes = static_cast<std::uint64_t>(t.count()) * t.element_bytes;
+    header += (header.size() > 1 ? "," : "") + json_string(t.name) + ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[";
+    for (std::size_t i = 0; i < t.shape.size(); ++i) header += (i ? "," : "") + std::to_string(t.shape[i]);
+    header += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
+    offset += bytes;
+  }
+  header += "}";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  if (header.size() > kSafetensorsMaxHeaderSize)
+    fail(name_for_errors, "the header would exceed the limit of " + std::to_string(kSafetensorsMaxHeaderSize) + " bytes");
+
+  std::vector<std::uint8_t> out;
+  out.reserve(8 + header.size() + static_cast<std::size_t>(offset));
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(std::uint64_t(header.size()) >> (8 * i)));
+  out.insert(out.end(), header.begin(), header.end());
+  for (const RawTensor& t : tensors) {
+    const auto* p = static_cast<const unsigned char*>(t.data);
+    const std::size_t n = t.count(), es = t.element_bytes;
+    for (std::size_t i = 0; i < n; ++i) {
+      std::uint64_t bits = 0;
+      if (es == 1) bits = p[i];
+      else if (es == 2) { std::uint16_t x; std::memcpy(&x, p + 2 * i, 2); bits = x; }
+      else if (es == 4) { std::uint32_t x; std::memcpy(&x, p + 4 * i, 4); bits = x; }
+      else std::memcpy(&bits, p + 8 * i, 8);
+      for (std::size_t b = 0; b < es; ++b) out.push_back(static_cast<std::uint8_t>(bits >> (8 * b)));
+    }
+  }
+  return out;
+}
+}  // namespace safetensors
+}  // namespace detail
+
+namespace detail {
+namespace safetensors {
+// The parameters of a module whose weights are stored narrower (set_weight_storage): weights in their dtype
+// (BF16 or F16), biases in the module's.
+template <class Module>
+std::vector<RawTensor> stored_parameters(const Module& module, const std::string& prefix) {
+  std::vector<RawTensor> out;
+  const char* names[4] = {"fc_q", "fc_k", "fc_v", "fc_o"};
+  const decltype(&module.fc_q()) layers[4] = {&module.fc_q(), &module.fc_k(), &module.fc_v(), &module.fc_o()};
+  for (int i = 0; i < 4; ++i) {
+    const auto& layer = *layers[i];
+    using Scalar = typename std::remove_reference_t<decltype(layer.bias())>::Scalar;
+    const Storage s = layer.weight_storage();
+    const char* dtype = s == Storage::kBFloat16 ? "BF16" : s == Storage::kFloat16 ? "F16" : scalar_dtype<Scalar>();
+    out.push_back({prefix + names[i] + ".weight", dtype, {layer.out_features(), layer.in_features()}, layer.stored_weight(),
+                   storage_bytes(s)});
+    out.push_back({prefix + names[i] + ".bias", scalar_dtype<Scalar>(), {layer.out_features()}, layer.bias().data(), sizeof(Scalar)});
+  }
+  return out;
+}
+}  // namespace safetensors
+}  // namespace detail
+
 // The bytes save_safetensors() writes: the module's parameters as prefix + PyTorch name in the module's
-// dtype (F32 or F64), sorted by name and contiguous, "__metadata__" first when there is any, the header
-// padded with spaces to a multiple of 8 as the reference implementation does, so the data is aligned.
+// dtype (F32 or F64), sorted by name and contiguous, "__metadata__" first when there is any (see
+// detail::safetensors::write_tensors).
 template <class Module>
 std::vector<std::uint8_t> save_safetensors_to_memory(const Module& module, const std::string& prefix = "",
                                                      const std::map<std::string, std::string>& metadata = {},
                                                      const std::string& name_for_errors = "<memory>") {
   namespace st = detail::safetensors;
-  auto params = module.named_parameters();
-  using Ref = typename decltype(params)::value_type;
-  using Scalar = std::remove_const_t<std::remove_pointer_t<decltype(std::declval<Ref&>().data)>>;
-  const char* dtype = st::scalar_dtype<Scalar>();
-  std::sort(params.begin(), params.end(), [](const Ref& a, const Ref& b) { return a.name < b.name; });
-
-  auto json_string = [&](const std::string& s) {
-    try {
-      return nlohmann::json(s).dump();  // strict: bytes that are not UTF-8 cannot be written as JSON
-    } catch (const nlohmann::json::exception&) {
-      st::fail(name_for_errors, "cannot save " + st::quote(s) + ": it is not valid UTF-8");
-    }
-  };
   // The module's shape goes into the metadata (load_safetensors checks it); a caller's entry of the same
   // name must agree.
   std::map<std::string, std::string> all_metadata = metadata;
@@ -750,44 +860,21 @@ std::vector<std::uint8_t> save_safetensors_to_memory(const Module& module, const
       st::fail(name_for_errors, "metadata " + st::quote(entry.first) + " is the module's shape, " + value +
                                     ", and cannot be " + st::quote(inserted.first->second));
   }
-  std::string header = "{";
-  if (!all_metadata.empty()) {
-    header += "\"__metadata__\":{";
-    bool first = true;
-    for (const auto& kv : all_metadata) {
-      header += (first ? "" : ",") + json_string(kv.first) + ":" + json_string(kv.second);
-      first = false;
-    }
-    header += "}";
+  std::vector<st::RawTensor> tensors;
+  if constexpr (st::HasWeightStorage<Module>::value) {
+    using Scalar = typename std::remove_reference_t<decltype(module.fc_q().bias())>::Scalar;
+    if (module.weight_storage() != native_storage<Scalar>())  // weights as stored (BF16, F16)
+      return st::write_tensors(st::stored_parameters(module, prefix), all_metadata, name_for_errors);
   }
-  std::uint64_t offset = 0;
-  for (const Ref& p : params) {
-    const std::string name = prefix + p.name;
-    if (name == "__metadata__") st::fail(name_for_errors, "a tensor cannot be named \"__metadata__\"");
-    const std::uint64_t bytes = static_cast<std::uint64_t>(p.size()) * sizeof(Scalar);
-    header += (header.size() > 1 ? "," : "") + json_string(name) + ":{\"dtype\":\"" + dtype + "\",\"shape\":[";
-    for (std::size_t i = 0; i < p.shape.size(); ++i) header += (i ? "," : "") + std::to_string(p.shape[i]);
-    header += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
-    offset += bytes;
-  }
-  header += "}";
-  header.append((8 - header.size() % 8) % 8, ' ');
-  if (header.size() > kSafetensorsMaxHeaderSize)
-    st::fail(name_for_errors, "the header would exceed the limit of " + std::to_string(kSafetensorsMaxHeaderSize) + " bytes");
-
-  std::vector<std::uint8_t> out;
-  out.reserve(8 + header.size() + static_cast<std::size_t>(offset));
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(std::uint64_t(header.size()) >> (8 * i)));
-  out.insert(out.end(), header.begin(), header.end());
-  for (const Ref& p : params) {
-    for (Eigen::Index i = 0; i < p.size(); ++i) {
-      typename std::conditional<sizeof(Scalar) == 4, std::uint32_t, std::uint64_t>::type bits;
-      std::memcpy(&bits, &p.data[i], sizeof bits);
-      for (std::size_t b = 0; b < sizeof bits; ++b) out.push_back(static_cast<std::uint8_t>(bits >> (8 * b)));
-    }
-  }
-  return out;
+  auto params = module.named_parameters();
+  using Ref = typename decltype(params)::value_type;
+  using Scalar = std::remove_const_t<std::remove_pointer_t<decltype(std::declval<Ref&>().data)>>;
+  const char* dtype = st::scalar_dtype<Scalar>();
+  for (const Ref& p : params) tensors.push_back({prefix + p.name, dtype, p.shape, p.data, sizeof(Scalar)});
+  return st::write_tensors(std::move(tensors), all_metadata, name_for_errors);
 }
+
+
 
 template <class Module>
 void save_safetensors(const Module& module, const std::string& path, const std::string& prefix = "",
@@ -803,7 +890,7 @@ void save_safetensors(const Module& module, const std::string& path, const std::
 
 // ---- Key/value caches (sdpa/kv_cache.hpp) ----
 // A cache is one file: tensors "kv_cache.keys" (batch, size, h * d_k) and "kv_cache.values" (batch, size,
-// h * d_v) in the cache's dtype, and metadata "sdpa.d_model", "sdpa.d_k", "sdpa.d_v", "sdpa.h" (the module
+// h * d_v) in the cache's dtype (its storage: F32, F64, BF16, F16, or I8 with F32 scales), and metadata "sdpa.d_model", "sdpa.d_k", "sdpa.d_v", "sdpa.h" (the module
 // shape it belongs to) and "sdpa.kv_cache.position" (the position after its last entry), so a server can
 // park a conversation and resume it, on another module of the same shape.
 
@@ -826,11 +913,42 @@ struct CacheTensors {
 }  // namespace safetensors
 }  // namespace detail
 
+// A narrow cache (bfloat16, float16, int8) is written in its own dtype (BF16, F16, I8), the int8 one with its
+// scales as F32 tensors "kv_cache.key_scales" and "kv_cache.value_scales" (batch, size, kv_heads).
 template <typename Scalar>
 std::vector<std::uint8_t> save_kv_cache_to_memory(const KVCache<Scalar>& cache, const std::string& name_for_errors = "<memory>") {
-  const detail::safetensors::CacheTensors<Scalar> t{cache.keys(), cache.values(), cache.d_model(), cache.d_k(), cache.d_v(),
-                                                    cache.kv_heads()};
-  return save_safetensors_to_memory(t, "", {{"sdpa.kv_cache.position", std::to_string(cache.position())}}, name_for_errors);
+  namespace st = detail::safetensors;
+  const std::map<std::string, std::string> metadata = {{"sdpa.kv_cache.position", std::to_string(cache.position())}};
+  if (!is_narrow<Scalar>(cache.storage())) {
+    const st::CacheTensors<Scalar> t{cache.keys(), cache.values(), cache.d_model(), cache.d_k(), cache.d_v(),
+                                     cache.kv_heads()};
+    return save_safetensors_to_memory(t, "", metadata, name_for_errors);
+  }
+  using Index = Eigen::Index;
+  const Index batch = cache.batch(), n = cache.size(), g = cache.kv_heads();
+  const std::size_t es = storage_bytes(cache.storage());
+  const std::size_t hk = static_cast<std::size_t>(g * cache.d_k()) * es, hv = static_cast<std::size_t>(g * cache.d_v()) * es;
+  std::vector<unsigned char> keys, values;
+  std::vector<float> key_scales, value_scales;
+  for (Index b = 0; b < batch; ++b) {
+    keys.insert(keys.end(), cache.stored_keys(b), cache.stored_keys(b) + static_cast<std::size_t>(n) * hk);
+    values.insert(values.end(), cache.stored_values(b), cache.stored_values(b) + static_cast<std::size_t>(n) * hv);
+    if (cache.storage() == Storage::kInt8) {
+      key_scales.insert(key_scales.end(), cache.stored_key_scales(b), cache.stored_key_scales(b) + n * g);
+      value_scales.insert(value_scales.end(), cache.stored_value_scales(b), cache.stored_value_scales(b) + n * g);
+    }
+  }
+  const char* dtype = cache.storage() == Storage::kBFloat16 ? "BF16" : cache.storage() == Storage::kFloat16 ? "F16" : "I8";
+  std::map<std::string, std::string> all = metadata;
+  for (const auto& entry : st::cache_shape_metadata(cache, "")) all.emplace(entry.first, std::to_string(entry.second));
+  std::vector<st::RawTensor> tensors = {
+      {"kv_cache.keys", dtype, {batch, n, g * cache.d_k()}, keys.data(), es},
+      {"kv_cache.values", dtype, {batch, n, g * cache.d_v()}, values.data(), es}};
+  if (cache.storage() == Storage::kInt8) {
+    tensors.push_back({"kv_cache.key_scales", "F32", {batch, n, g}, key_scales.data(), 4});
+    tensors.push_back({"kv_cache.value_scales", "F32", {batch, n, g}, value_scales.data(), 4});
+  }
+  return st::write_tensors(std::move(tensors), all, name_for_errors);
 }
 
 template <typename Scalar>
@@ -890,10 +1008,67 @@ void load_kv_cache(KVCache<Scalar>& cache, const SafetensorsFile& file) {
   if (position < k->shape[1])
     st::fail(file.name, "__metadata__ \"sdpa.kv_cache.position\" is " + std::to_string(position) +
                             ", fewer than the entries held, " + std::to_string(k->shape[1]));
-  const std::vector<Scalar> kd = tensor_values<Scalar>(file, *k), vd = tensor_values<Scalar>(file, *v);
-  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> keys(k->shape[0], k->shape[1], hk), values(v->shape[0], v->shape[1], hv);
-  std::copy(kd.begin(), kd.end(), keys.data());
-  std::copy(vd.begin(), vd.end(), values.data());
+  if (k->dtype != v->dtype)
+    st::fail(file.name, "tensors \"kv_cache.keys\" and \"kv_cache.values\" have dtypes " + k->dtype + " and " + v->dtype +
+                            ": a saved cache has one");
+  // int8 entries come with their scales, one per (batch, entry, head).
+  std::vector<float> key_scales, value_scales;
+  if (k->dtype == "I8") {
+    const SafetensorsTensor* ks = file.find("kv_cache.key_scales");
+    const SafetensorsTensor* vs = file.find("kv_cache.value_scales");
+    if (ks == nullptr || vs == nullptr)
+      st::fail(file.name, "missing tensors: an I8 cache needs \"kv_cache.key_scales\" and \"kv_cache.value_scales\"");
+    const std::vector<Index> want = {k->shape[0], k->shape[1], cache.kv_heads()};
+    for (const SafetensorsTensor* t : {ks, vs})
+      if (t->shape != want)
+        st::fail(file.name, "tensor " + st::quote(t->name) + " has shape " + st::shape_text(t->shape) + ", but must be " +
+                                st::shape_text(want));
+    key_scales = tensor_values<float>(file, *ks);
+    value_scales = tensor_values<float>(file, *vs);
+  }
+  const Index batch = k->shape[0], n = k->shape[1];
+  // Bytes in the file's element order (little-endian) as host elements of `es` bytes.
+  const auto host = [&](const SafetensorsTensor& t, std::size_t es) {
+    if (t.nbytes() != static_cast<std::size_t>(t.numel()) * es || (t.numel() != 0 && t.data == nullptr))
+      st::fail(file.name, "tensor " + st::quote(t.name) + " has " + std::to_string(t.nbytes()) + " bytes, not what its shape and dtype need");
+    std::vector<unsigned char> out(t.nbytes());
+    for (std::size_t i = 0; i < out.size(); i += es) {
+      if (es == 2) {
+        const std::uint16_t x = static_cast<std::uint16_t>(t.data[i] | t.data[i + 1] << 8);
+        std::memcpy(out.data() + i, &x, 2);
+      } else {
+        out[i] = t.data[i];
+      }
+    }
+    return out;
+  };
+  const Storage s = cache.storage();
+  const bool same = (k->dtype == "BF16" && s == Storage::kBFloat16) || (k->dtype == "F16" && s == Storage::kFloat16) ||
+                    (k->dtype == "I8" && s == Storage::kInt8);
+  if (same) {  // the cache's own dtype: taken as stored, nothing rounded again
+    const std::size_t es = storage_bytes(s);
+    const std::vector<unsigned char> kb = host(*k, es), vb = host(*v, es);
+    cache.assign_stored(batch, n, kb.data(), vb.data(), key_scales.empty() ? nullptr : key_scales.data(),
+                        value_scales.empty() ? nullptr : value_scales.data(), position);
+    return;
+  }
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> keys(batch, n, hk), values(batch, n, hv);
+  if (k->dtype == "I8") {  // dequantised, then stored as this cache stores
+    const std::vector<unsigned char> kb = host(*k, 1), vb = host(*v, 1);
+    const Index g = cache.kv_heads();
+    for (Index r = 0; r < batch * n; ++r) {
+      for (Index c = 0; c < hk; ++c)
+        keys.data()[r * hk + c] = static_cast<Scalar>(static_cast<float>(static_cast<std::int8_t>(kb[static_cast<std::size_t>(r * hk + c)])) *
+                                                      key_scales[static_cast<std::size_t>(r * g + c / cache.d_k())]);
+      for (Index c = 0; c < hv; ++c)
+        values.data()[r * hv + c] = static_cast<Scalar>(static_cast<float>(static_cast<std::int8_t>(vb[static_cast<std::size_t>(r * hv + c)])) *
+                                                        value_scales[static_cast<std::size_t>(r * g + c / cache.d_v())]);
+    }
+  } else {
+    const std::vector<Scalar> kd = tensor_values<Scalar>(file, *k), vd = tensor_values<Scalar>(file, *v);
+    std::copy(kd.begin(), kd.end(), keys.data());
+    std::copy(vd.begin(), vd.end(), values.data());
+  }
   cache.assign(keys, values, position);
 }
 

@@ -14,6 +14,7 @@
 #include "sdpa/mask.hpp"
 #include "sdpa/options.hpp"
 #include "sdpa/random.hpp"
+#include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
 namespace kernels {
@@ -43,6 +44,17 @@ struct AttentionProblem {
   Index kv_group = 1;
   Isa isa = active_isa();  // the kernels' path for this call (sdpa/cpu.hpp), read once
   Heads<const Scalar> q, k, v;  // q per query head, k and v per key/value head
+  // Keys and values stored narrower than Scalar (a KVCache's bfloat16, float16 or int8 entries; float
+  // problems only): then k.data and v.data are null and k_stored / v_stored hold the elements, addressed by
+  // k's and v's strides (in elements, head_stride = d: a cache's rows). int8 adds one float scale per
+  // (batch, row, key/value head): scales + b * scale_batch_stride + row * kv_heads() + head. The kernels
+  // widen them a block at a time (kernels/stored.hpp), never the whole cache.
+  Storage kv_storage = native_storage<Scalar>();
+  const void* k_stored = nullptr;
+  const void* v_stored = nullptr;
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  Index scale_batch_stride = 0;
   Heads<Scalar> out;  // per query head
   Scalar scale = Scalar(1);  // 1 / sqrt(d_k) unless the options give one
 
@@ -81,6 +93,7 @@ struct AttentionProblem {
   const Scalar* key_row(Index b, Index h, Index i) const noexcept { return k.row(b, h / kv_group, i); }
   const Scalar* value_row(Index b, Index h, Index i) const noexcept { return v.row(b, h / kv_group, i); }
   Index kv_heads() const noexcept { return heads / kv_group; }
+  bool stored() const noexcept { return kv_storage != native_storage<Scalar>(); }
 };
 
 }  // namespace kernels

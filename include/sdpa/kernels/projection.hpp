@@ -21,6 +21,7 @@
 #include "sdpa/gemm/gemm.hpp"
 #include "sdpa/simd/dispatch.hpp"
 #include "sdpa/parallel.hpp"
+#include "sdpa/storage.hpp"
 
 #ifdef SDPA_USE_ONEDNN
 #include <dnnl.h>
@@ -116,7 +117,7 @@ inline void gemm_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, E
 // One layer's share of a projection pass: rows of the pass's input times this layer into y (ldy).
 template <typename Scalar>
 struct ProjectionTarget {
-  const Scalar* weight;  // (out, in) row-major
+  const Scalar* weight;  // (out, in) row-major; null when the weights are stored narrower
   const Scalar* bias;    // (out)
   Eigen::Index out;
   Scalar* y;
@@ -125,35 +126,60 @@ struct ProjectionTarget {
   // (a cache's batch entries); 0 means one group.
   Eigen::Index group_rows = 0;
   Eigen::Index group_stride = 0;
+  // Weights stored as bfloat16 or float16 (a float Linear's set_weight_storage): (out, in) at weight_stored,
+  // converted where the products pack or read them.
+  Storage weight_storage = native_storage<Scalar>();
+  const void* weight_stored = nullptr;
+
+  bool narrow() const noexcept { return weight_storage != native_storage<Scalar>(); }
 
   Scalar* row(Eigen::Index r) const noexcept {
     return group_rows > 0 ? y + (r / group_rows) * group_stride + (r % group_rows) * ldy : y + r * ldy;
   }
 };
 
-// Applies every target to the same input rows (the fused QKV projection): one product over all the
-// targets, split over the device's threads (oneDNN: one call per target).
+// Applies every target to the same input rows x[rows, in] (row stride ldx; the fused QKV projection): one
+// product over all the targets, split over the device's threads (oneDNN: one call per target, for float
+// weights).
 template <typename Scalar>
-void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std::vector<ProjectionTarget<Scalar>>& targets,
-                  const Eigen::ThreadPoolDevice* device, Isa isa = active_isa()) {
+void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const ProjectionTarget<Scalar>* targets,
+                  std::size_t count, const Eigen::ThreadPoolDevice* device, Isa isa = active_isa()) {
 #ifdef SDPA_USE_ONEDNN
   if constexpr (std::is_same<Scalar, float>::value) {
-    if (onednn_projections()) {
-      for (const auto& t : targets) gemm_bias_rows(x, rows, in, in, t.weight, t.out, t.bias, t.y, t.ldy, device, isa);
+    bool narrow = false;
+    for (std::size_t i = 0; i < count; ++i) narrow = narrow || targets[i].narrow();
+    if (onednn_projections() && !narrow) {
+      for (std::size_t i = 0; i < count; ++i) {
+        const ProjectionTarget<Scalar>& t = targets[i];
+        gemm_bias_rows(x, rows, in, ldx, t.weight, t.out, t.bias, t.y, t.ldy, device, isa);
+      }
       return;
     }
   }
 #endif
   std::vector<gemm::BiasedProduct<Scalar>> products;
-  products.reserve(targets.size());
-  for (const ProjectionTarget<Scalar>& t : targets) products.push_back({t.weight, in, t.out, t.bias, t.y, t.ldy});
-  gemm::gemm_nt_bias_shared<Scalar>(rows, in, x, in, products.data(), products.size(), device,
-                                    &thread_workspace<Scalar>(), isa);
+  products.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const ProjectionTarget<Scalar>& t = targets[i];
+    gemm::BiasedProduct<Scalar> p{t.weight, in, t.out, t.bias, t.y, t.ldy};
+    p.storage = t.weight_storage;
+    p.w_stored = t.weight_stored;
+    products.push_back(p);
+  }
+  gemm::gemm_nt_bias_shared<Scalar>(rows, in, x, ldx, products.data(), products.size(), device, &thread_workspace<Scalar>(),
+                                    isa);
+}
+
+template <typename Scalar>
+void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std::vector<ProjectionTarget<Scalar>>& targets,
+                  const Eigen::ThreadPoolDevice* device, Isa isa = active_isa()) {
+  project_rows<Scalar>(x, rows, in, in, targets.data(), targets.size(), device, isa);
 }
 
 // The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
 // matrix product's packing or a matrix-vector product per row would read the weights again; threads split
-// the output features. Allocates nothing.
+// the output features. Narrow weights are read as they are stored (simd::dot_stored), in the same order of
+// operations as float ones. Allocates nothing.
 template <typename Scalar>
 void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx,
                       const ProjectionTarget<Scalar>* targets, std::size_t count, const Eigen::ThreadPoolDevice* device,
@@ -167,8 +193,21 @@ void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen
       const ProjectionTarget<Scalar>& tg = targets[t];
       const Index lo = std::max(o0, base), hi = std::min(o1, base + tg.out);
       for (Index o = lo; o < hi; ++o) {
-        const Scalar* w = tg.weight + (o - base) * in;
-        for (Index r = 0; r < rows; ++r) tg.row(r)[o - base] = simd::dot(isa, w, x + r * ldx, in) + tg.bias[o - base];
+        const Index row = (o - base) * in;
+        for (Index r = 0; r < rows; ++r) {
+          Scalar d;
+          if constexpr (std::is_same<Scalar, float>::value) {
+            if (tg.weight_storage == Storage::kBFloat16)
+              d = simd::dot_stored(isa, static_cast<const BFloat16*>(tg.weight_stored) + row, x + r * ldx, in);
+            else if (tg.weight_storage == Storage::kFloat16)
+              d = simd::dot_stored(isa, static_cast<const Float16*>(tg.weight_stored) + row, x + r * ldx, in);
+            else
+              d = simd::dot(isa, tg.weight + row, x + r * ldx, in);
+          } else {
+            d = simd::dot(isa, tg.weight + row, x + r * ldx, in);
+          }
+          tg.row(r)[o - base] = d + tg.bias[o - base];
+        }
       }
       base += tg.out;
     }

@@ -29,6 +29,7 @@
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/scores.hpp"
 #include "sdpa/kernels/softmax.hpp"
+#include "sdpa/kernels/stored.hpp"
 #include "sdpa/kernels/tile_config.hpp"
 #include "sdpa/kernels/tile_products.hpp"
 #include "sdpa/kernels/visibility.hpp"
@@ -81,7 +82,9 @@ class TileScorer {
         s_buf_(static_cast<std::size_t>(c.block_q * lds_ + kLine)),
         ranges_(static_cast<std::size_t>(c.group * c.block_q)),
         segments_(static_cast<std::size_t>(c.block_q)),
-        products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, c.pack_operands) {}
+        products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, c.pack_operands),
+        k_wide_(p_.stored() ? static_cast<std::size_t>(c.block_k * p_.d_k) : 0),
+        v_wide_(p_.stored() ? static_cast<std::size_t>(c.block_k * p_.d_v) : 0) {}
 
   // Calls visit(tile) for every tile of (b, h) and the group rows q0 .. q0 + rows - 1 that some row sees,
   // key blocks in order (restricted to keys [key_lo, key_hi), which must start at a multiple of the key
@@ -110,7 +113,16 @@ class TileScorer {
     t.segments = segments_.data();
     for (Index k0 = lo / bk_ * bk_; k0 < hi; k0 += bk_) {
       const Index cols = std::min(bk_, p_.nk - k0);
-      products_.set_keys(p_.key_row(b, h, k0), p_.k.row_stride, p_.value_row(b, h, k0), p_.v.row_stride, cols);
+      if (p_.stored()) {
+        // Stored keys and values: the block of this head widened once, then packed like any other.
+        const Index g = h / p_.kv_group;
+        widen_kv(p_, /*values=*/false, b, g, Index{1}, k0, cols, k_wide_.data(), p_.d_k);
+        widen_kv(p_, /*values=*/true, b, g, Index{1}, k0, cols, v_wide_.data(), p_.d_v);
+        wide_k0_ = k0;
+        products_.set_keys(k_wide_.data(), p_.d_k, v_wide_.data(), p_.d_v, cols);
+      } else {
+        products_.set_keys(p_.key_row(b, h, k0), p_.k.row_stride, p_.value_row(b, h, k0), p_.v.row_stride, cols);
+      }
       t.k0 = k0;
       t.cols = cols;
       for (Index r0 = 0; r0 < rows; r0 += bq_) {
@@ -136,6 +148,12 @@ class TileScorer {
 
   TileProducts<Scalar>& products() noexcept { return products_; }
   const TileStats& stats() const noexcept { return stats_; }
+
+  // The value row of key k for (b, h), inside the key block a visitor is being handed: widened when the
+  // problem's values are stored.
+  const Scalar* value_row(Index b, Index h, Index k) const noexcept {
+    return p_.stored() ? v_wide_.data() + (k - wide_k0_) * p_.d_v : p_.value_row(b, h, k);
+  }
 
  private:
   static constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
@@ -180,6 +198,8 @@ class TileScorer {
   std::vector<Segment> segments_;  // per tile row of the current tile
   TileProducts<Scalar> products_;
   TileStats stats_;
+  std::vector<Scalar> k_wide_, v_wide_;  // a stored problem's current key block, widened (block_k x d)
+  Index wide_k0_ = 0;
 };
 
 // The forward of one worker: output rows q0 .. q0 + rows - 1 of (batch b, head h), written to p.out (and
@@ -231,7 +251,7 @@ class TiledForward {
           for (Index j = t.j0; j < t.j1; ++j) {
             if (t.hidden(vis_, i, j)) continue;
             const Scalar x = t.s[i * t.lds + j];
-            const Scalar* v = p.value_row(b, h, t.k0 + j);
+            const Scalar* v = scorer_.value_row(b, h, t.k0 + j);
             for (Index d = 0; d < p.d_v; ++d) ot[i * p.d_v + d] += x * v[d];
           }
         }
@@ -296,7 +316,7 @@ class TiledForward {
     }
     if (finite_lo_ <= t.j0 && t.j1 <= finite_hi_) return true;
     for (Index j = t.j0; j < t.j1; ++j)
-      if (!Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(p_.value_row(t.b, t.h, t.k0 + j), p_.d_v).allFinite())
+      if (!Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(scorer_.value_row(t.b, t.h, t.k0 + j), p_.d_v).allFinite())
         return false;
     if (finite_hi_ <= finite_lo_ || t.j1 < finite_lo_ || t.j0 > finite_hi_) {
       finite_lo_ = t.j0;

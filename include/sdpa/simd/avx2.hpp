@@ -20,11 +20,14 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/storage.hpp"
 
 #include "sdpa/simd/target_avx2_begin.hpp"
 
@@ -51,6 +54,15 @@ struct Vec<float> {
   static Reg loadu(const float* p, Mask m) noexcept { return _mm256_maskload_ps(p, m); }
   static void storeu(float* p, Reg x) noexcept { _mm256_storeu_ps(p, x); }
   static void storeu(float* p, Mask m, Reg x) noexcept { _mm256_maskstore_ps(p, m, x); }
+  // `width` stored elements widened to float (sdpa/storage.hpp), exactly (float16 through F16C).
+  static Reg widen(const BFloat16* p) noexcept {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static Reg widen(const Float16* p) noexcept { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Reg widen(const std::int8_t* p) noexcept {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static Reg fmadd(Reg a, Reg b, Reg c) noexcept { return _mm256_fmadd_ps(a, b, c); }
   static Reg mul(Reg a, Reg b) noexcept { return _mm256_mul_ps(a, b); }
   static Reg add(Reg a, Reg b) noexcept { return _mm256_add_ps(a, b); }

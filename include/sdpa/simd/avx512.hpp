@@ -22,11 +22,14 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/storage.hpp"
 
 #include "sdpa/simd/target_avx512_begin.hpp"
 
@@ -53,6 +56,17 @@ struct Vec<float> {
   static Reg loadu(const float* p, Mask m) noexcept { return _mm512_maskz_loadu_ps(m, p); }
   static void storeu(float* p, Reg x) noexcept { _mm512_storeu_ps(p, x); }
   static void storeu(float* p, Mask m, Reg x) noexcept { _mm512_mask_storeu_ps(p, m, x); }
+  // `width` stored elements widened to float (sdpa/storage.hpp), exactly.
+  static Reg widen(const BFloat16* p) noexcept {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static Reg widen(const Float16* p) noexcept {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static Reg widen(const std::int8_t* p) noexcept {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static Reg fmadd(Reg a, Reg b, Reg c) noexcept { return _mm512_fmadd_ps(a, b, c); }
   static Reg mul(Reg a, Reg b) noexcept { return _mm512_mul_ps(a, b); }
   static Reg add(Reg a, Reg b) noexcept { return _mm512_add_ps(a, b); }

@@ -105,6 +105,29 @@ void chunk_scores(Isa isa, const Scalar* k, Eigen::Index k_row, Eigen::Index k_h
   portable::chunk_scores(k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
 }
 
+// Stored rows widened to float (generic_rows.inc's widen_rows): T is BFloat16, Float16 or std::int8_t.
+template <typename T>
+void widen_rows(Isa isa, const T* src, Eigen::Index lds, Eigen::Index rows, Eigen::Index cols, const float* scales,
+                Eigen::Index scale_stride, Eigen::Index span, float* dst, Eigen::Index ldd) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::widen_rows(src, lds, rows, cols, scales, scale_stride, span, dst, ldd);
+  if (isa == Isa::kAvx2) return avx2::widen_rows(src, lds, rows, cols, scales, scale_stride, span, dst, ldd);
+#endif
+  (void)isa;
+  portable::widen_rows(src, lds, rows, cols, scales, scale_stride, span, dst, ldd);
+}
+
+// a . b with a stored as bfloat16 or float16 (generic_rows.inc's dot_stored).
+template <typename T>
+float dot_stored(Isa isa, const T* a, const float* b, Eigen::Index n) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::dot_stored(a, b, n);
+  if (isa == Isa::kAvx2) return avx2::dot_stored(a, b, n);
+#endif
+  (void)isa;
+  return portable::dot_stored(a, b, n);
+}
+
 // Philox words of the first blocks of [k4_begin, k4_begin + blocks) of row (bh, q) that the path computes
 // `width` blocks at a time, in DropoutSampler::fill_bits's layout; returns how many blocks that covered
 // (0 on the portable path). The caller computes the rest one block at a time.

@@ -18,6 +18,7 @@
 
 #include "sdpa/gemm/epilogue.hpp"
 #include "sdpa/gemm/pack.hpp"
+#include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
 namespace portable {
@@ -34,7 +35,8 @@ struct GemmKernel {
   static void pack_a(Index rows, Index kc, const Scalar* a, Index lda, Scalar* dst) noexcept {
     gemm::detail::pack_rows<mr>(rows, kc, a, lda, dst);
   }
-  static void pack_b_rows(Index cols, Index kc, const Scalar* b, Index ldb, Scalar* dst) noexcept {
+  template <typename T>
+  static void pack_b_rows(Index cols, Index kc, const T* b, Index ldb, Scalar* dst) noexcept {
     gemm::detail::pack_rows<nr>(cols, kc, b, ldb, dst);
   }
   static void pack_b_cols(Index cols, Index kc, const Scalar* b, Index ldb, Scalar* dst) noexcept {
@@ -117,6 +119,29 @@ void chunk_scores(const Scalar* k, Eigen::Index k_row, Eigen::Index k_head, Eige
     for (Eigen::Index h = 0; h < heads; ++h) {
       const Scalar* kr = k + j * k_row + (h / group) * k_head;
       for (Eigen::Index i = 0; i < nq; ++i) s[(h * nq + i) * lds + j] = scale * dot(kr, q + h * q_head + i * q_row, d);
+    }
+}
+
+// Stored rows widened to float (see generic_rows.inc's widen_rows).
+inline float widen(BFloat16 x) noexcept { return to_float(x); }
+inline float widen(Float16 x) noexcept { return to_float(x); }
+inline float widen(std::int8_t x) noexcept { return static_cast<float>(x); }
+
+// a . b with a stored: dot on a's widened values.
+template <typename T>
+float dot_stored(const T* a, const float* b, Eigen::Index n) noexcept {
+  float s = 0.0f;
+  for (Eigen::Index i = 0; i < n; ++i) s += widen(a[i]) * b[i];
+  return s;
+}
+
+template <typename T>
+void widen_rows(const T* src, Eigen::Index lds, Eigen::Index rows, Eigen::Index cols, const float* scales,
+                Eigen::Index scale_stride, Eigen::Index span, float* dst, Eigen::Index ldd) noexcept {
+  for (Eigen::Index r = 0; r < rows; ++r)
+    for (Eigen::Index c = 0; c < cols; ++c) {
+      const float x = widen(src[r * lds + c]);
+      dst[r * ldd + c] = scales != nullptr ? x * scales[r * scale_stride + c / span] : x;
     }
 }
 
