@@ -2,7 +2,9 @@
 // byte-identical output to scripts/export_pytorch.py, PyTorch-exported F32/F64/F16/BF16 files under a
 // prefix reproducing PyTorch's output, half and bfloat16 conversions against PyTorch's (and exhaustively
 // against a formula), and one test per kind of malformed file: each must be refused with a
-// SafetensorsError naming the file and the problem, leaving the module's parameters untouched.
+// SafetensorsError naming the file and the problem, leaving the module's parameters untouched. Narrow
+// storage: caches saved and loaded in their own dtype (BF16, F16, I8 with scales), bfloat16 / float16
+// weights saved as stored and kept with LoadOptions::keep_dtype.
 // Fixtures: tests/fixtures/safetensors/, written by scripts/export_pytorch.py fixtures.
 #include "sdpa/io/safetensors.hpp"
 
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "sdpa/scaled_dot_product_attention.hpp"
+#include "support/narrow.hpp"
 
 namespace safetensors_test {
 
@@ -840,3 +843,128 @@ TEST(SafetensorsKVCache, GroupedQueryHeads) {
   }
 }
 }  // namespace safetensors_test
+
+// ---- Narrow storage (sdpa/storage.hpp): caches in their own dtype, bfloat16 / float16 weights ----
+namespace safetensors_storage_test {
+
+using Index = Eigen::Index;
+using sdpa::LoadOptions;
+using sdpa::SafetensorsError;
+using sdpa::SafetensorsFile;
+using sdpa::Storage;
+using sdpa_test::narrow::make_module;
+using sdpa_test::narrow::max_abs_diff;
+using sdpa_test::narrow::random3;
+using sdpa_test::narrow::rounded;
+using Tensor3 = sdpa_test::narrow::Tensor3;
+using Module = sdpa::ScaledDotProductAttention<float>;
+using Cache = sdpa::KVCache<float>;
+
+class NarrowFiles : public ::testing::TestWithParam<Storage> {};
+
+// A narrow cache saves in its own dtype (int8 with its F32 scales) and loads back exactly, into a cache of
+// the same storage (nothing rounded again), of float (widened) or, from a float file, of its storage
+// (rounded).
+TEST_P(NarrowFiles, CachesKeepTheirDtype) {
+  const Storage s = GetParam();
+  sdpa_test::Rng rng(21);
+  const Module m = make_module(rng, 32, 8, 4, 2);
+  Cache f(m, 3), n(m, 3, 0, s);
+  const Tensor3 prompt = random3(rng, 3, 40, 32);
+  (void)m.step(prompt, f);
+  (void)m.step(prompt, n);
+  const std::vector<std::uint8_t> file = sdpa::save_kv_cache_to_memory(n);
+  const SafetensorsFile parsed = sdpa::parse_safetensors(file.data(), file.size(), "cache");
+  EXPECT_EQ(parsed.find("kv_cache.keys")->dtype, s == Storage::kBFloat16 ? "BF16" : s == Storage::kFloat16 ? "F16" : "I8");
+  EXPECT_EQ(parsed.find("kv_cache.key_scales") != nullptr, s == Storage::kInt8);
+  EXPECT_LT(file.size(), sdpa::save_kv_cache_to_memory(f).size());
+  Cache back(m, 1, 0, s);
+  sdpa::load_kv_cache_from_memory(back, file.data(), file.size());
+  EXPECT_EQ(back.batch(), 3);
+  EXPECT_EQ(back.position(), n.position());
+  const Tensor3 saved_keys = n.keys();
+  EXPECT_EQ(max_abs_diff(back.keys(), saved_keys), 0.0);
+  EXPECT_EQ(max_abs_diff(back.values(), n.values()), 0.0);
+  const Tensor3 x = random3(rng, 3, 1, 32);
+  EXPECT_EQ(max_abs_diff(m.step(x, back), m.step(x, n)), 0.0);
+  Cache as_float(m, 1);
+  sdpa::load_kv_cache_from_memory(as_float, file.data(), file.size());
+  EXPECT_EQ(as_float.storage(), Storage::kFloat32);
+  EXPECT_EQ(max_abs_diff(as_float.keys(), saved_keys), 0.0);
+  const std::vector<std::uint8_t> float_file = sdpa::save_kv_cache_to_memory(f);
+  Cache narrowed(m, 1, 0, s);
+  sdpa::load_kv_cache_from_memory(narrowed, float_file.data(), float_file.size());
+  EXPECT_EQ(max_abs_diff(narrowed.keys(), rounded(f.keys(), s, 8)), 0.0);
+  EXPECT_EQ(max_abs_diff(narrowed.values(), rounded(f.values(), s, 8)), 0.0);
+}
+
+// Weights are saved as stored (BF16 / F16, biases F32); keep_dtype keeps them narrow on load, otherwise a
+// module takes them in its own storage; a refused file leaves a narrow module as it was.
+TEST_P(NarrowFiles, WeightsKeepTheirDtypeWhenAsked) {
+  const Storage s = GetParam();
+  if (s == Storage::kInt8) GTEST_SKIP() << "weights are bfloat16 or float16 only";
+  Module a(32, 8, 8, 4, 0.0f);
+  a.manual_seed(3);
+  a.init_weights();
+  a.set_weight_storage(s);
+  const auto wa = a.fc_v().weight_values();
+  const std::vector<std::uint8_t> file = sdpa::save_safetensors_to_memory(a);
+  const SafetensorsFile parsed = sdpa::parse_safetensors(file.data(), file.size(), "w");
+  EXPECT_EQ(parsed.find("fc_o.weight")->dtype, s == Storage::kBFloat16 ? "BF16" : "F16");
+  EXPECT_EQ(parsed.find("fc_o.bias")->dtype, "F32");
+  Module kept(32, 8, 8, 4, 0.0f), widened(32, 8, 8, 4, 0.0f);
+  LoadOptions keep;
+  keep.keep_dtype = true;
+  sdpa::load_safetensors_from_memory(kept, file.data(), file.size(), "w", "", keep);
+  sdpa::load_safetensors_from_memory(widened, file.data(), file.size(), "w");
+  EXPECT_EQ(kept.weight_storage(), s);
+  EXPECT_EQ(widened.weight_storage(), Storage::kFloat32);
+  const auto wk = kept.fc_v().weight_values();
+  for (Index i = 0; i < wa.size(); ++i) {
+    ASSERT_EQ(wk.data()[i], wa.data()[i]);
+    ASSERT_EQ(widened.fc_v().weight().data()[i], wa.data()[i]);
+  }
+  Module f(32, 8, 8, 4, 0.0f);
+  f.manual_seed(4);
+  f.init_weights();
+  const std::vector<std::uint8_t> float_file = sdpa::save_safetensors_to_memory(f);
+  sdpa::load_safetensors_from_memory(kept, float_file.data(), float_file.size(), "f");
+  EXPECT_EQ(kept.weight_storage(), s);
+  const auto wr = kept.fc_q().weight_values();
+  for (Index i = 0; i < wr.size(); ++i) {
+    const float w = f.fc_q().weight().data()[i];
+    ASSERT_EQ(wr.data()[i], s == Storage::kBFloat16 ? sdpa::to_float(sdpa::to_bfloat16(w)) : sdpa::to_float(sdpa::to_float16(w)));
+  }
+  Module other(32, 8, 8, 2, 0.0f);  // h 2, where the module has 4
+  const std::vector<std::uint8_t> wrong = sdpa::save_safetensors_to_memory(other);
+  EXPECT_THROW(sdpa::load_safetensors_from_memory(kept, wrong.data(), wrong.size(), "wrong"), SafetensorsError);
+  EXPECT_EQ(kept.weight_storage(), s);
+  const auto after = kept.fc_q().weight_values();
+  for (Index i = 0; i < wr.size(); ++i) ASSERT_EQ(after.data()[i], wr.data()[i]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Storages, NarrowFiles, ::testing::Values(Storage::kBFloat16, Storage::kFloat16, Storage::kInt8),
+                         [](const ::testing::TestParamInfo<Storage>& i) { return std::string(sdpa::storage_name(i.param)).substr(1); });
+
+TEST(NarrowFilesRefused, Int8CacheWithoutItsScales) {
+  sdpa_test::Rng rng(22);
+  const Module m = make_module(rng, 32, 8, 4, 2);
+  Cache n(m, 1, 0, Storage::kInt8);
+  (void)m.step(random3(rng, 1, 5, 32), n);
+  const std::vector<std::uint8_t> file = sdpa::save_kv_cache_to_memory(n);
+  SafetensorsFile parsed = sdpa::parse_safetensors(file.data(), file.size(), "cache.safetensors");
+  std::vector<sdpa::SafetensorsTensor> kept;
+  for (const auto& t : parsed.tensors)
+    if (t.name != "kv_cache.key_scales") kept.push_back(t);
+  parsed.tensors = kept;
+  try {
+    sdpa::load_kv_cache(n, parsed);
+    ADD_FAILURE() << "no exception";
+  } catch (const SafetensorsError& e) {
+    EXPECT_NE(std::string(e.what()).find("kv_cache.key_scales"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cache.safetensors"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(n.size(), 5);
+}
+
+}  // namespace safetensors_storage_test
