@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <iostream>
+#include <type_traits>
 
 namespace {
 
@@ -70,6 +71,33 @@ int exercise() {
   auto y_step = gqa.step(token, cache, step_options);
   y_step = gqa.step(token, cache, step_options);
 
+  // Narrow storage (float only): bf16 / f16 / int8 caches, bf16 weights, saved in their own dtypes.
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> y_narrow(2, 1, 32);
+  y_narrow.setZero();
+  if constexpr (std::is_same<Scalar, float>::value) {
+    sdpa::ScaledDotProductAttention<Scalar> narrow = gqa;
+    narrow.set_weight_storage(sdpa::Storage::kBFloat16);
+    for (sdpa::Storage s : {sdpa::Storage::kBFloat16, sdpa::Storage::kFloat16, sdpa::Storage::kInt8}) {
+      sdpa::KVCache<Scalar> c(narrow, 2, 32, s);
+      (void)narrow.step(x, c, step_options);  // the tiled kernel
+      y_narrow = narrow.step(token, c, step_options);  // the decoding kernel
+      c.reorder({1, 0});
+      c.truncate(3);
+      if (c.bytes() == 0) return 1;
+#ifdef SDPA_CONSUMER_IO
+      const auto cache_bytes = sdpa::save_kv_cache_to_memory(c);
+      sdpa::load_kv_cache_from_memory(c, cache_bytes.data(), cache_bytes.size());
+#endif
+    }
+    (void)narrow(x, x, x, decoder);
+#ifdef SDPA_CONSUMER_IO
+    const auto weight_bytes = sdpa::save_safetensors_to_memory(narrow);
+    sdpa::LoadOptions keep;
+    keep.keep_dtype = true;
+    sdpa::load_safetensors_from_memory(narrow, weight_bytes.data(), weight_bytes.size(), "memory", "", keep);
+#endif
+  }
+
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor> q(2, 4, 9, 8), k(2, 2, 9, 8), v(2, 2, 9, 8);
   q.setRandom();
   k.setRandom();
@@ -96,7 +124,7 @@ int exercise() {
 #endif
 
   double sum = 0;
-  for (const auto* t : {&y, &y_masked, &y_padded, &y_map, &y_train, &y_ref, &y_gqa, &y_step})
+  for (const auto* t : {&y, &y_masked, &y_padded, &y_map, &y_train, &y_ref, &y_gqa, &y_step, &y_narrow})
     for (Eigen::Index i = 0; i < t->size(); ++i) sum += static_cast<double>(t->data()[i]);
   for (Eigen::Index i = 0; i < z.size(); ++i) sum += static_cast<double>(z.data()[i]);
   if (!std::isfinite(sum)) {

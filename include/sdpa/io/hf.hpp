@@ -330,10 +330,10 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
   o.sinks = sinks;
   // Everything read: the module changes now (weights rounded to the module's weight storage, if narrower).
   const auto put = [](const std::vector<Scalar>& from, Scalar* to) { std::copy(from.begin(), from.end(), to); };
-  const auto put_weight = [](const std::vector<Scalar>& from, Linear<Scalar>& layer) {
-    typename Linear<Scalar>::Weight w(layer.out_features(), layer.in_features());
+  const auto put_weight = [](const std::vector<Scalar>& from, Linear<Scalar>& to) {
+    typename Linear<Scalar>::Weight w(to.out_features(), to.in_features());
     std::copy(from.begin(), from.end(), w.data());
-    layer.set_weight_values(w);
+    to.set_weight_values(w);
   };
   put_weight(wq, module.fc_q());
   put(bq, module.fc_q().bias().data());
