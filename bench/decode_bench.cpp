@@ -1,6 +1,11 @@
 // decode_bench: autoregressive decoding with a KVCache (d_model 512, h 8, d_k = d_v = 64, float, eval):
 //   decode/step/cache:<n>/batch:<b>/threads:<t>   one step of one token per sequence against n cached
 //                                                 entries (the cache is truncated back after each step)
+//   decode/storage/kv:<s>/weights:<w>/cache:<n>/batch:<b>/threads:1
+//                                                 the same step with the cache stored as s (f32, bf16, f16,
+//                                                 int8) and the weights as w (f32, bf16): sdpa/storage.hpp
+//   decode/read/storage/kv:<s>/weights:<w>/cache:<n>/batch:<b>/bytes:<B>/threads:1
+//                                                 the read bound of that step: a sum over its B bytes
 //   decode/recompute/N:<n>/threads:1              forward(x, x, x, {causal}) over all n + 1 tokens: what a
 //                                                 step replaces
 //   decode/read/bytes:<B>/threads:<t>             a STREAM-like sum over B bytes, B = what the batch-1 step
@@ -34,13 +39,17 @@ namespace {
 
 using Cache = sdpa::KVCache<float>;
 
-// The module and tokens every case uses (PyTorch's default init, deterministic inputs).
+// The module and tokens every case uses (PyTorch's default init, deterministic inputs); module_bf16 is the
+// same module with its weights stored as bfloat16.
 struct Decoding {
   Config cfg = long_config(1, false);
   Module module{512, 64, 64, 8, 0.0f};
+  Module module_bf16{512, 64, 64, 8, 0.0f};
   Decoding() {
     module.init_weights(sdpa::init::PyTorchDefaultPolicy{});
     module.eval();
+    module_bf16 = module;
+    module_bf16.set_weight_storage(sdpa::Storage::kBFloat16);
   }
   Tensor3 tokens(Index batch, Index n, std::uint64_t stream) const {
     Tensor3 x(batch, n, 512);
@@ -52,6 +61,13 @@ struct Decoding {
   static double step_bytes(Index n, Index batch) {
     return 4.0 * (static_cast<double>(batch) * 2.0 * static_cast<double>(n) * 512.0 + 4.0 * 512.0 * 512.0);
   }
+  // The same with the cache stored as kv and the weights as w (int8: one float scale per token and head).
+  static double step_bytes(Index n, Index batch, sdpa::Storage kv, sdpa::Storage w) {
+    const double entries = static_cast<double>(batch) * static_cast<double>(n);
+    double cache = entries * 2.0 * 512.0 * static_cast<double>(sdpa::storage_bytes(kv));
+    if (kv == sdpa::Storage::kInt8) cache += entries * 2.0 * 8.0 * 4.0;
+    return cache + 4.0 * 512.0 * 512.0 * static_cast<double>(sdpa::storage_bytes(w));
+  }
 };
 
 const Decoding& decoding() {
@@ -59,22 +75,24 @@ const Decoding& decoding() {
   return d;
 }
 
-void step_case(benchmark::State& state, Index n, Index batch, int threads) {
+void step_case(benchmark::State& state, Index n, Index batch, int threads, sdpa::Storage kv = sdpa::Storage::kFloat32,
+               sdpa::Storage weights = sdpa::Storage::kFloat32) {
   const Decoding& d = decoding();
-  Cache cache(d.module, batch, n + 1);
-  d.module.append(d.tokens(batch, n, 1), d.tokens(batch, n, 2), cache);
+  const Module& module = weights == sdpa::Storage::kFloat32 ? d.module : d.module_bf16;
+  Cache cache(module, batch, n + 1, kv);
+  module.append(d.tokens(batch, n, 1), d.tokens(batch, n, 2), cache);
   const Tensor3 token = d.tokens(batch, 1, 3);
   Tensor3 out(batch, 1, 512);
   sdpa::AttentionOptions<float> o;
   o.device = device_for(threads);
   Eigen::TensorMap<Tensor3> out_map(out.data(), batch, 1, 512);
   for (auto _ : state) {
-    d.module.step(token, cache, o, out_map);
+    module.step(token, cache, o, out_map);
     cache.truncate(n);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  const double bytes = Decoding::step_bytes(n, batch);
+  const double bytes = Decoding::step_bytes(n, batch, kv, weights);
   state.counters["bytes"] = bytes;
   state.counters["GBps"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["nthreads"] = threads;
@@ -205,6 +223,34 @@ int main(int argc, char** argv) {
     const double bytes = Decoding::step_bytes(2048, 8);  // the batch-8 step's bytes: its floor
     add("decode/read/cache:2048/batch:8/bytes:" + std::to_string(static_cast<long long>(bytes)) + "/threads:1",
         [bytes](benchmark::State& s) { read_case(s, bytes, 1); });
+  }
+  // Storage types: each step beside the read bound of its own bytes.
+  {
+    using sdpa::Storage;
+    struct Case {
+      const char* kv_name;
+      Storage kv;
+      const char* w_name;
+      Storage w;
+      Index n, batch;
+    };
+    const Case cases[] = {{"f32", Storage::kFloat32, "f32", Storage::kFloat32, 4095, 1},
+                          {"bf16", Storage::kBFloat16, "f32", Storage::kFloat32, 4095, 1},
+                          {"f16", Storage::kFloat16, "f32", Storage::kFloat32, 4095, 1},
+                          {"int8", Storage::kInt8, "f32", Storage::kFloat32, 4095, 1},
+                          {"bf16", Storage::kBFloat16, "bf16", Storage::kBFloat16, 4095, 1},
+                          {"f32", Storage::kFloat32, "f32", Storage::kFloat32, 2048, 1},
+                          {"f32", Storage::kFloat32, "f32", Storage::kFloat32, 2048, 8},
+                          {"bf16", Storage::kBFloat16, "f32", Storage::kFloat32, 2048, 8},
+                          {"bf16", Storage::kBFloat16, "bf16", Storage::kBFloat16, 2048, 8}};
+    for (const Case& c : cases) {
+      const std::string tag = std::string("kv:") + c.kv_name + "/weights:" + c.w_name + "/cache:" + std::to_string(c.n) +
+                              "/batch:" + std::to_string(c.batch);
+      add("decode/storage/" + tag + "/threads:1", [c](benchmark::State& s) { step_case(s, c.n, c.batch, 1, c.kv, c.w); });
+      const double bytes = Decoding::step_bytes(c.n, c.batch, c.kv, c.w);
+      add("decode/read/storage/" + tag + "/bytes:" + std::to_string(static_cast<long long>(bytes)) + "/threads:1",
+          [bytes](benchmark::State& s) { read_case(s, bytes, 1); });
+    }
   }
 #ifdef SDPA_BENCH_WITH_TORCH
   for (Index n : {Index(128), Index(1024), Index(4096)})

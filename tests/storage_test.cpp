@@ -244,6 +244,78 @@ TEST(StorageConversion, VectorWideningMatchesTheScalarForms) {
   }
 }
 
+// The decoding kernel's row products over stored keys and values (the path under test) against a
+// double-precision reference on the widened values: every storage, head sizes around the vector widths, a
+// short last block of keys, grouped heads, several queries.
+TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
+  const sdpa::Isa isa = sdpa::active_isa();
+  Rng rng(13);
+  for (Storage s : kNarrow)
+    for (Index d : {Index(1), Index(8), Index(15), Index(16), Index(17), Index(32), Index(48), Index(64), Index(70), Index(128)}) {
+      const Index n = 37, kv = 2, heads = 4, nq = 2, row = kv * d;
+      std::vector<float> x(static_cast<std::size_t>(n * row)), scales(static_cast<std::size_t>(n * kv), 1.0f), wide(x.size());
+      for (float& v : x) v = static_cast<float>(rng.normal());
+      std::vector<sdpa::BFloat16> b(x.size());
+      std::vector<sdpa::Float16> h(x.size());
+      std::vector<std::int8_t> q8(x.size());
+      for (Index j = 0; j < n; ++j)
+        for (Index g = 0; g < kv; ++g) {
+          const std::size_t at = static_cast<std::size_t>(j * row + g * d);
+          scales[static_cast<std::size_t>(j * kv + g)] = sdpa::quantize_int8(x.data() + at, d, q8.data() + at);
+          for (Index c = 0; c < d; ++c) {
+            const std::size_t i = at + static_cast<std::size_t>(c);
+            b[i] = sdpa::to_bfloat16(x[i]);
+            h[i] = sdpa::to_float16(x[i]);
+            wide[i] = s == Storage::kBFloat16 ? sdpa::to_float(b[i])
+                      : s == Storage::kFloat16 ? sdpa::to_float(h[i])
+                                               : static_cast<float>(q8[i]) * scales[static_cast<std::size_t>(j * kv + g)];
+          }
+        }
+      std::vector<float> q(static_cast<std::size_t>(heads * nq * d)), out(static_cast<std::size_t>(heads * nq * 40), 0.0f);
+      for (float& v : q) v = static_cast<float>(rng.normal());
+      const float* sc = s == Storage::kInt8 ? scales.data() : nullptr;
+      const auto scores = [&](const auto* k) {
+        sdpa::simd::chunk_scores_stored(isa, k, row, d, n, sc, kv, q.data(), nq * d, d, heads, heads / kv, nq, d, 0.5f, out.data(), 40);
+      };
+      if (s == Storage::kBFloat16) scores(b.data());
+      else if (s == Storage::kFloat16) scores(h.data());
+      else scores(q8.data());
+      for (Index hh = 0; hh < heads; ++hh)
+        for (Index i = 0; i < nq; ++i)
+          for (Index j = 0; j < n; ++j) {
+            double want = 0, norm = 0;
+            for (Index c = 0; c < d; ++c) {
+              const double p = static_cast<double>(q[static_cast<std::size_t>((hh * nq + i) * d + c)]) *
+                               wide[static_cast<std::size_t>(j * row + (hh / (heads / kv)) * d + c)];
+              want += p;
+              norm += std::fabs(p);
+            }
+            ASSERT_NEAR(out[static_cast<std::size_t>((hh * nq + i) * 40 + j)], 0.5 * want, 1e-6 * (1 + norm))
+                << sdpa::storage_name(s) << " d " << d << " head " << hh << " query " << i << " key " << j;
+          }
+      // acc += sum_j w_j * value row j of head 1, then the natural order back.
+      std::vector<float> w(static_cast<std::size_t>(n)), acc(static_cast<std::size_t>(d), 0.25f);
+      for (float& v : w) v = static_cast<float>(rng.uniform(0, 1));
+      const float* vs = s == Storage::kInt8 ? scales.data() + 1 : nullptr;
+      const auto values = [&](const auto* v) {
+        sdpa::simd::add_weighted_rows_stored(isa, acc.data(), d, w.data(), v + d, row, vs, kv, n);
+      };
+      if (s == Storage::kBFloat16) values(b.data());
+      else if (s == Storage::kFloat16) values(h.data());
+      else values(q8.data());
+      if (s == Storage::kBFloat16) sdpa::simd::unpair_features(isa, acc.data(), d);
+      for (Index c = 0; c < d; ++c) {
+        double want = 0.25, norm = 0.25;
+        for (Index j = 0; j < n; ++j) {
+          const double p = static_cast<double>(w[static_cast<std::size_t>(j)]) * wide[static_cast<std::size_t>(j * row + d + c)];
+          want += p;
+          norm += std::fabs(p);
+        }
+        ASSERT_NEAR(acc[static_cast<std::size_t>(c)], want, 1e-6 * (1 + norm)) << sdpa::storage_name(s) << " d " << d << " feature " << c;
+      }
+    }
+}
+
 // ---- Key/value caches ----
 
 class NarrowCache : public ::testing::TestWithParam<Storage> {};
@@ -266,30 +338,35 @@ TEST_P(NarrowCache, Bytes) {
 
 // The entries are the float cache's rounded to the storage (keys after rotary), and the kernels give what a
 // float cache holding exactly those values gives: one query (the decoding kernel) and many (tiled).
-TEST_P(NarrowCache, EntriesAreRoundedAndKernelsReadThemExactly) {
+TEST_P(NarrowCache, EntriesAreRoundedAndKernelsReadThem) {
   const Storage s = GetParam();
   Rng rng(5);
-  Module m = make_module(rng, 64, 16, 8, 2);
-  m.set_rotary(sdpa::rope_llama3(16, 10000, 8, 1, 4, 64));
+  Module m = make_module(rng, 96, 48, 4, 2);  // d 48: paired and single vectors, and a tail on AVX-512
+  m.set_rotary(sdpa::rope_llama3(32, 10000, 8, 1, 4, 64));
   const Index batch = 2;
   Cache f(m, batch), n(m, batch, 0, s);
-  const Tensor3 prompt = random3(rng, batch, 300, 64);
+  const Tensor3 prompt = random3(rng, batch, 300, 96);
   (void)m.step(prompt, f);
   (void)m.step(prompt, n);
-  EXPECT_EQ(max_abs_diff(n.keys(), rounded(f.keys(), s, 16)), 0.0);
-  EXPECT_EQ(max_abs_diff(n.values(), rounded(f.values(), s, 16)), 0.0);
+  EXPECT_EQ(max_abs_diff(n.keys(), rounded(f.keys(), s, 48)), 0.0);
+  EXPECT_EQ(max_abs_diff(n.values(), rounded(f.values(), s, 48)), 0.0);
   // A float cache with the widened entries.
   Cache w(m, batch);
   w.assign(n.keys(), n.values(), n.position());
   sdpa::AttentionOptions<float> o;
-  o.alibi_slopes = sdpa::alibi_slopes<float>(8);
+  o.alibi_slopes = sdpa::alibi_slopes<float>(4);
   o.softcap = 20;
-  o.sinks = std::vector<float>(8, 0.5f);
+  o.sinks = std::vector<float>(4, 0.5f);
   for (Index nq : {Index(1), Index(5), Index(40)}) {
-    const Tensor3 q = random3(rng, batch, nq, 64);
+    const Tensor3 q = random3(rng, batch, nq, 96);
     o.causal = nq > 1;
+    // The tiled kernel (40 queries) widens a key block and packs it: the same bits. The decoding kernel
+    // widens in registers: float16 the same bits; bfloat16 sums the features as even and odd ones, and int8
+    // applies a key's scale after its sum (a value's to its weight), so they round differently.
+    const bool exact = nq > 16 || s == Storage::kFloat16 || sdpa::active_isa() == sdpa::Isa::kPortable;
+    const double tol = exact ? 0.0 : 2e-6;
     const Tensor3 a = m.attend(q, n, o), b = m.attend(q, w, o);
-    EXPECT_EQ(max_abs_diff(a, b), 0.0) << sdpa::storage_name(s) << ", " << nq << " queries";
+    EXPECT_LE(max_rel(a, b), tol) << sdpa::storage_name(s) << ", " << nq << " queries";
     // Probabilities come from the same widened keys.
     Eigen::Tensor<float, 4, Eigen::RowMajor> pa, pb;
     o.probabilities = &pa;
@@ -299,7 +376,7 @@ TEST_P(NarrowCache, EntriesAreRoundedAndKernelsReadThemExactly) {
     o.probabilities = nullptr;
     double d = 0;
     for (Index i = 0; i < pa.size(); ++i) d = std::max(d, std::fabs(static_cast<double>(pa.data()[i]) - pb.data()[i]));
-    EXPECT_EQ(d, 0.0) << "probabilities, " << nq << " queries";
+    EXPECT_LE(d, tol) << "probabilities, " << nq << " queries";
   }
   // Steps on 1 and 2 threads give the same bits.
   Eigen::ThreadPool pool(2);
@@ -308,7 +385,7 @@ TEST_P(NarrowCache, EntriesAreRoundedAndKernelsReadThemExactly) {
   (void)m.step(prompt, n2);
   sdpa::AttentionOptions<float> threaded;
   threaded.device = &device;
-  const Tensor3 t = random3(rng, batch, 1, 64);
+  const Tensor3 t = random3(rng, batch, 1, 96);
   EXPECT_EQ(max_abs_diff(m.step(t, n), m.step(t, n2, threaded)), 0.0);
 }
 

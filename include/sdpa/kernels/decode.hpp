@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "sdpa/detail/buffer.hpp"
@@ -33,9 +34,6 @@ namespace kernels {
 // Keys per work item: long enough that an item's per-row overhead is small against streaming its keys,
 // short enough that a cache of a few thousand keys gives every thread several items.
 constexpr Eigen::Index kDecodeChunk = 256;
-// Key and value rows per block of the products (pass 1 widens stored keys, pass 3 takes value rows, a block
-// at a time): a block of every head's rows stays in L1 while the heads that read it take their turns.
-constexpr Eigen::Index kDecodeBlock = 16;
 
 // The decoding kernel's scratch, grown on demand and kept between calls. Cache-line aligned, so that how
 // Eigen splits a segment into packets (hence the rounding of exp and sums) depends on offsets only, never on
@@ -47,11 +45,8 @@ struct DecodeWorkspace {
   sdpa::detail::Buffer<Scalar> scores;           // per thread slot: a chunk of scores per (head, query)
   std::vector<std::uint32_t> bits;         // per thread slot: one chunk of dropout words
   std::vector<typename Visibility<Scalar>::Segment> segments;  // per thread slot: per (head, query)
-  sdpa::detail::Buffer<Scalar> wide;       // per thread slot: a widened block of stored rows (stored problems)
 
-  // wide_row: the widest stored row (kv_heads * max(d_k, d_v)), 0 for a problem that is not stored().
-  void reserve(Eigen::Index items, Eigen::Index rows_per_item, Eigen::Index d_v, Eigen::Index slots,
-               Eigen::Index wide_row = 0) {
+  void reserve(Eigen::Index items, Eigen::Index rows_per_item, Eigen::Index d_v, Eigen::Index slots) {
     if (static_cast<Eigen::Index>(states.size()) < items * rows_per_item)
       states.resize(static_cast<std::size_t>(items * rows_per_item));
     grow(acc, items * rows_per_item * d_v);
@@ -60,7 +55,6 @@ struct DecodeWorkspace {
       segments.resize(static_cast<std::size_t>(slots * rows_per_item));
     if (static_cast<Eigen::Index>(bits.size()) < slots * (kDecodeChunk + 8))
       bits.resize(static_cast<std::size_t>(slots * (kDecodeChunk + 8)));
-    grow(wide, slots * kDecodeBlock * wide_row);
   }
 
  private:
@@ -70,23 +64,8 @@ struct DecodeWorkspace {
 };
 
 // The decoding kernel's inner products are the per-ISA row kernels of simd/dispatch.hpp (chunk_scores,
-// add_weighted_rows): short enough that Eigen's GEMV spent more time in its call than in the arithmetic.
-namespace decode_detail {
-
-// Asks for the cache lines of m rows of n bytes, `stride` bytes apart (a hint: nothing on compilers without it).
-inline void prefetch_rows(const unsigned char* rows, Eigen::Index stride, Eigen::Index m, Eigen::Index n) noexcept {
-#if defined(__GNUC__)
-  for (Eigen::Index j = 0; j < m; ++j)
-    for (Eigen::Index d = 0; d < n; d += 64) __builtin_prefetch(rows + j * stride + d);
-#else
-  (void)rows;
-  (void)stride;
-  (void)m;
-  (void)n;
-#endif
-}
-
-}  // namespace decode_detail
+// add_weighted_rows and their forms for stored keys and values): short enough that Eigen's GEMV spent more
+// time in its call than in the arithmetic.
 
 // Whether decode_attention suits p: few queries (each item recomputes nothing, but covers all of them).
 template <typename Scalar>
@@ -116,8 +95,7 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
   const Index workers = static_cast<Index>(worker_count(device));
   // Scratch slots: one per thread that can run an item (the caller, and any thread of the device's pool).
   const Index slots = device == nullptr ? 1 : 1 + std::max<Index>(workers, device->numThreadsInPool());
-  const Index hk = p.kv_heads() * p.d_k, hv = p.kv_heads() * p.d_v;
-  ws.reserve(items, rows, p.d_v, slots, p.stored() ? std::max(hk, hv) : 0);
+  ws.reserve(items, rows, p.d_v, slots);
   const Visibility<Scalar> visibility(p, device);
   const ScorePipeline<Scalar> pipeline(visibility);
   parallel_for(device, items, 1, [&](Index i0, Index i1) {
@@ -127,9 +105,8 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
     Scalar* scores = ws.scores.data() + slot * rows * kDecodeChunk;  // row r = h * nq + q of the item
     std::uint32_t* bits = ws.bits.data() + slot * (kDecodeChunk + 8);
     Segment* segs = ws.segments.data() + slot * rows;
-    Scalar* wide = p.stored() ? ws.wide.data() + slot * kDecodeBlock * std::max(hk, hv) : nullptr;
     using Vec = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
-    constexpr Index kRows = kDecodeBlock;
+    constexpr Index kRows = 16;
     for (Index item = i0; item < i1; ++item) {
       const Index b = item / chunks, c = item % chunks;
       const Index k0 = c * kDecodeChunk, n = std::min(kDecodeChunk, p.nk - k0);
@@ -147,16 +124,11 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
       if (!any) continue;
       // Pass 1: every (head, query)'s scores over the chunk, a block of key rows (one vector width) at a time:
       // a row holds every key/value head, so the chunk's keys are streamed from memory once and in order (a
-      // group of query heads reads its key head's block while it is in L1). Stored keys are widened a block
-      // of rows at a time first; a score's sum does not depend on the block its key is in, so the two give
-      // the same bits for the same keys.
+      // group of query heads reads its key head's block while it is in L1). Stored keys are widened in
+      // registers as they are loaded.
       if (p.stored()) {
-        for (Index j0 = 0; j0 < n; j0 += kRows) {
-          const Index m = std::min(kRows, n - j0);
-          widen_kv(p, /*values=*/false, b, 0, p.kv_heads(), k0 + j0, m, wide, hk);
-          simd::chunk_scores(p.isa, static_cast<const Scalar*>(wide), hk, p.d_k, m, p.q.row(b, 0, 0), p.q.head_stride,
-                             p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k, p.scale, scores + j0, kDecodeChunk);
-        }
+        stored_chunk_scores(p, b, 0, k0, n, p.q.row(b, 0, 0), p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq,
+                            scores, kDecodeChunk);
       } else {
         simd::chunk_scores(p.isa, p.k.row(b, 0, k0), p.k.row_stride, p.k.head_stride, n, p.q.row(b, 0, 0),
                            p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k, p.scale, scores,
@@ -183,29 +155,13 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
       // Pass 3: acc += p v over each row's visible keys, the value rows taken in blocks as in pass 1. A hidden
       // key adds nothing, not even a NaN in its value: a row's product covers its visible segment only, and
       // a mask's holes inside it go one key at a time.
-      // Stored values are widened a block at a time into `wide` (row stride hv).
-      const Index v_row = p.stored() ? hv : p.v.row_stride;
-      const Index v_head = p.stored() ? p.d_v : p.v.head_stride;
+      // (No software prefetch of the next block's value rows: the hardware streams them, and on the Sapphire
+      // Rapids machine the prefetches only slowed the step down; bench/RESULTS.md.)
       for (Index j0 = 0; j0 < n; j0 += kRows) {
         const Index m = std::min(kRows, n - j0);
-        // The next block's value rows are requested now: within a block the heads take their parts of the
-        // rows in turn, an order the hardware prefetcher does not follow ahead.
-        if (j0 + kRows < n) {
-          const Index ahead = std::min(kRows, n - j0 - kRows);
-          if (p.stored()) {
-            const Index bytes = static_cast<Index>(storage_bytes(p.kv_storage));
-            decode_detail::prefetch_rows(stored_row(p, true, b, 0, k0 + j0 + kRows), p.v.row_stride * bytes, ahead,
-                                         hv * bytes);
-          } else {
-            decode_detail::prefetch_rows(reinterpret_cast<const unsigned char*>(p.v.row(b, 0, k0 + j0 + kRows)),
-                                         p.v.row_stride * static_cast<Index>(sizeof(Scalar)), ahead,
-                                         hv * static_cast<Index>(sizeof(Scalar)));
-          }
-        }
-        const Scalar* block = p.stored() ? wide : p.v.row(b, 0, k0 + j0);
-        if (p.stored()) widen_kv(p, /*values=*/true, b, 0, p.kv_heads(), k0 + j0, m, wide, hv);
         for (Index h = 0; h < p.heads; ++h) {
-          const Scalar* vb = block + (h / p.kv_group) * v_head;
+          // (Stored values are read through stored_add_weighted_rows; vb is not formed for them.)
+          const Scalar* vb = p.stored() ? nullptr : p.value_row(b, h, k0 + j0);
           for (Index q = 0; q < p.nq; ++q) {
             const Index r = h * p.nq + q;
             const Segment& seg = segs[r];
@@ -213,11 +169,19 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
             if (lo >= hi) continue;
             Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> av(ws.acc.data() + ((item * p.heads + h) * p.nq + q) * p.d_v, p.d_v);
             const Scalar* pr = scores + r * kDecodeChunk;
-            if (seg.solid) {
-              simd::add_weighted_rows(p.isa, av.data(), p.d_v, pr + lo, vb + (lo - j0) * v_row, v_row, hi - lo);
+            if (p.stored()) {
+              // Solid or not, key by key where the mask has holes.
+              if (seg.solid) {
+                stored_add_weighted_rows(p, av.data(), pr + lo, b, h / p.kv_group, k0 + lo, hi - lo);
+              } else {
+                for (Index j = lo; j < hi; ++j)
+                  if (!visibility.masked(b, h, q, k0 + j)) stored_add_weighted_rows(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
+              }
+            } else if (seg.solid) {
+              simd::add_weighted_rows(p.isa, av.data(), p.d_v, pr + lo, vb + (lo - j0) * p.v.row_stride, p.v.row_stride, hi - lo);
             } else {
               for (Index j = lo; j < hi; ++j)
-                if (!visibility.masked(b, h, q, k0 + j)) av += pr[j] * Vec(vb + (j - j0) * v_row, p.d_v);
+                if (!visibility.masked(b, h, q, k0 + j)) av += pr[j] * Vec(vb + (j - j0) * p.v.row_stride, p.d_v);
             }
           }
         }
@@ -228,7 +192,6 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
   // Merge each row's partial states in chunk order, then finish it.
   const bool accumulated = !(p.dropout && p.keep_scale == Scalar(0));
   parallel_for(device, p.batch * rows, std::max<Index>(1, p.batch * rows / (4 * workers)), [&](Index r0, Index r1) {
-    std::vector<Scalar> keys;  // the probabilities' widened key chunk (stored problems)
     for (Index r = r0; r < r1; ++r) {
       const Index b = r / rows, hq = r % rows, h = hq / p.nq, q = hq % p.nq;
       const Index first = (b * chunks) * rows + hq;
@@ -238,6 +201,8 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
         const Index other = (b * chunks + c) * rows + hq;
         st.merge(ws.states[static_cast<std::size_t>(other)], acc, ws.acc.data() + other * p.d_v, p.d_v);
       }
+      if constexpr (std::is_same<Scalar, float>::value)
+        if (p.kv_storage == Storage::kBFloat16) simd::unpair_features(p.isa, acc, p.d_v);  // (the paired layout)
       if (p.sinks != nullptr) st.add_sink(p.sinks[h], acc, p.d_v);
       finish_row(p.out.row(b, h, q), acc, p.d_v, st, p.masked_rows, accumulated);
       const Index bh = b * p.heads + h;
@@ -256,18 +221,12 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
         for (Index k0 = range.lo / kDecodeChunk * kDecodeChunk; k0 < range.hi; k0 += kDecodeChunk) {
           const Index n = std::min(kDecodeChunk, p.nk - k0);
           Scalar* x = out + k0;
-          const Scalar* kr = keys.data();
-          Index k_row = p.d_k;
-          if (p.stored()) {
-            keys.resize(static_cast<std::size_t>(n * p.d_k));
-            widen_kv(p, /*values=*/false, b, h / p.kv_group, Index{1}, k0, n, keys.data(), p.d_k);
-            kr = keys.data();
-          } else {
-            kr = p.key_row(b, h, k0);
-            k_row = p.k.row_stride;
-          }
-          simd::chunk_scores(p.isa, kr, k_row, Index{0}, n, p.q.row(b, h, q), Index{0}, Index{0}, Index{1}, Index{1},
-                             Index{1}, p.d_k, p.scale, x, kDecodeChunk);
+          if (p.stored())
+            stored_chunk_scores(p, b, h / p.kv_group, k0, n, p.q.row(b, h, q), Index{0}, Index{0}, Index{1}, Index{1}, Index{1},
+                                x, kDecodeChunk);
+          else
+            simd::chunk_scores(p.isa, p.key_row(b, h, k0), p.k.row_stride, Index{0}, n, p.q.row(b, h, q), Index{0}, Index{0},
+                               Index{1}, Index{1}, Index{1}, p.d_k, p.scale, x, kDecodeChunk);
           pipeline.apply(x, n, b, h, q, k0, range);
           simd::exp_shifted_sum(p.isa, x, n, lse);
         }

@@ -1,7 +1,9 @@
 // Keys and values stored narrower than the compute type (AttentionProblem::stored(): a KVCache of bfloat16,
-// float16 or int8 entries) widened for the float kernels a block at a time: the decoding kernel widens each
-// block of 16 rows of every key/value head before its products, the tiled kernel each key block of a head
-// before it packs it. Nothing widens a whole cache.
+// float16 or int8 entries) read by the float kernels: the decoding kernel's row products widen them in
+// registers as they load them (stored_chunk_scores, stored_add_weighted_rows), the tiled kernel widens each
+// key block of a head before it packs it (widen_kv). Nothing widens a whole cache, and every path computes
+// with the same widened values (int8: scale * q, rounded once), so the results are those of a float cache
+// holding them.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -53,13 +55,47 @@ void widen_kv(const AttentionProblem<Scalar>& p, bool values, Eigen::Index b, Ei
   }
 }
 
-// The address of row i of stored key (values: value) head g of batch entry b, for prefetching.
+// simd::chunk_scores for the stored keys of batch entry b, rows i0 .. i0 + n - 1: query heads h < heads read key
+// head g0 + h / group (the queries and the output as chunk_scores takes them).
 template <typename Scalar>
-const unsigned char* stored_row(const AttentionProblem<Scalar>& p, bool values, Eigen::Index b, Eigen::Index g,
-                                Eigen::Index i) noexcept {
-  const Heads<const Scalar>& hd = values ? p.v : p.k;
-  return static_cast<const unsigned char*>(values ? p.v_stored : p.k_stored) +
-         static_cast<std::size_t>(b * hd.batch_stride + i * hd.row_stride + g * hd.head_stride) * storage_bytes(p.kv_storage);
+void stored_chunk_scores(const AttentionProblem<Scalar>& p, Eigen::Index b, Eigen::Index g0, Eigen::Index i0,
+                         Eigen::Index n, const Scalar* q, Eigen::Index q_head, Eigen::Index q_row, Eigen::Index heads,
+                         Eigen::Index group, Eigen::Index nq, Scalar* s, Eigen::Index lds) noexcept {
+  using Index = Eigen::Index;
+  if constexpr (std::is_same<Scalar, float>::value) {
+    const Index offset = b * p.k.batch_stride + i0 * p.k.row_stride + g0 * p.k.head_stride;
+    const float* scales = p.k_scales != nullptr ? p.k_scales + b * p.scale_batch_stride + i0 * p.kv_heads() + g0 : nullptr;
+    const auto run = [&](const auto* k) {
+      simd::chunk_scores_stored(p.isa, k + offset, p.k.row_stride, p.k.head_stride, n, scales, p.kv_heads(), q, q_head, q_row,
+                                heads, group, nq, p.d_k, p.scale, s, lds);
+    };
+    if (p.kv_storage == Storage::kBFloat16) run(static_cast<const BFloat16*>(p.k_stored));
+    else if (p.kv_storage == Storage::kFloat16) run(static_cast<const Float16*>(p.k_stored));
+    else if (p.kv_storage == Storage::kInt8) run(static_cast<const std::int8_t*>(p.k_stored));
+  } else {
+    (void)p, (void)b, (void)g0, (void)i0, (void)n, (void)q, (void)q_head, (void)q_row, (void)heads, (void)group, (void)nq,
+        (void)s, (void)lds;
+  }
+}
+
+// simd::add_weighted_rows for the stored values of value head g of batch entry b, rows i0 .. i0 + m - 1:
+// acc[0, d_v) += sum over j of w[j] * value row i0 + j.
+template <typename Scalar>
+void stored_add_weighted_rows(const AttentionProblem<Scalar>& p, Scalar* acc, const Scalar* w, Eigen::Index b,
+                              Eigen::Index g, Eigen::Index i0, Eigen::Index m) noexcept {
+  using Index = Eigen::Index;
+  if constexpr (std::is_same<Scalar, float>::value) {
+    const Index offset = b * p.v.batch_stride + i0 * p.v.row_stride + g * p.v.head_stride;
+    const float* scales = p.v_scales != nullptr ? p.v_scales + b * p.scale_batch_stride + i0 * p.kv_heads() + g : nullptr;
+    const auto run = [&](const auto* v) {
+      simd::add_weighted_rows_stored(p.isa, acc, p.d_v, w, v + offset, p.v.row_stride, scales, p.kv_heads(), m);
+    };
+    if (p.kv_storage == Storage::kBFloat16) run(static_cast<const BFloat16*>(p.v_stored));
+    else if (p.kv_storage == Storage::kFloat16) run(static_cast<const Float16*>(p.v_stored));
+    else if (p.kv_storage == Storage::kInt8) run(static_cast<const std::int8_t*>(p.v_stored));
+  } else {
+    (void)p, (void)acc, (void)w, (void)b, (void)g, (void)i0, (void)m;
+  }
 }
 
 }  // namespace kernels

@@ -60,6 +60,22 @@ struct Vec<float> {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   static Reg widen(const Float16* p) noexcept { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // As Vec<float> of avx512.hpp: lane l of `even` / `odd` is bfloat16 value 2l / 2l + 1 of the 16 at p.
+  static void widen_pairs(const BFloat16* p, Reg& even, Reg& odd) noexcept {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static void deinterleave(Reg a, Reg b, Reg& even, Reg& odd) noexcept {
+    // shuffle_ps works within 128-bit halves: [a0 a2 b0 b2 | a4 a6 b4 b6], then the 64-bit quarters reordered.
+    even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+  }
+  static void interleave(Reg even, Reg odd, Reg& a, Reg& b) noexcept {
+    const Reg lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);  // [e0 o0 e1 o1 | e4 o4 e5 o5]
+    a = _mm256_permute2f128_ps(lo, hi, 0x20);
+    b = _mm256_permute2f128_ps(lo, hi, 0x31);
+  }
   static Reg widen(const std::int8_t* p) noexcept {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }

@@ -64,6 +64,25 @@ struct Vec<float> {
   static Reg widen(const Float16* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // 2 * width bfloat16 values as two float vectors, without a shuffle: lane l of `even` is value 2l, of
+  // `odd` value 2l + 1 (a bfloat16 pair fills a 32-bit lane; the high half is the odd one's float, the low
+  // half shifted up the even one's).
+  static void widen_pairs(const BFloat16* p, Reg& even, Reg& odd) noexcept {
+    const __m512i x = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // The values 2l (even) and 2l + 1 (odd) of the 2 * width floats a, b; interleave is its inverse.
+  static void deinterleave(Reg a, Reg b, Reg& even, Reg& odd) noexcept {
+    const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    even = _mm512_permutex2var_ps(a, e, b);
+    odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(e, _mm512_set1_epi32(1)), b);
+  }
+  static void interleave(Reg even, Reg odd, Reg& a, Reg& b) noexcept {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    a = _mm512_permutex2var_ps(even, lo, odd);
+    b = _mm512_permutex2var_ps(even, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), odd);
+  }
   static Reg widen(const std::int8_t* p) noexcept {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }

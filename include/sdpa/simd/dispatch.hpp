@@ -128,6 +128,44 @@ float dot_stored(Isa isa, const T* a, const float* b, Eigen::Index n) noexcept {
   return portable::dot_stored(a, b, n);
 }
 
+// chunk_scores and add_weighted_rows over keys / values stored as T (BFloat16, Float16, std::int8_t with
+// one scale per (row, head)): generic_rows.inc's chunk_scores_stored and add_weighted_rows_stored.
+template <typename T>
+void chunk_scores_stored(Isa isa, const T* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n,
+                         const float* scales, Eigen::Index scale_row, const float* q, Eigen::Index q_head,
+                         Eigen::Index q_row, Eigen::Index heads, Eigen::Index group, Eigen::Index nq, Eigen::Index d,
+                         float scale, float* s, Eigen::Index lds) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512)
+    return avx512::chunk_scores_stored(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+  if (isa == Isa::kAvx2)
+    return avx2::chunk_scores_stored(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+#endif
+  (void)isa;
+  portable::chunk_scores_stored(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+}
+
+template <typename T>
+void add_weighted_rows_stored(Isa isa, float* acc, Eigen::Index n, const float* w, const T* rows, Eigen::Index stride,
+                              const float* scales, Eigen::Index scale_stride, Eigen::Index m) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m);
+  if (isa == Isa::kAvx2) return avx2::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m);
+#endif
+  (void)isa;
+  portable::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m);
+}
+
+// The natural order of the features of an accumulator that add_weighted_rows_stored filled from bfloat16
+// rows (generic_rows.inc's unpair_features; nothing to do on the portable path).
+inline void unpair_features(Isa isa, float* acc, Eigen::Index n) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::unpair_features(acc, n);
+  if (isa == Isa::kAvx2) return avx2::unpair_features(acc, n);
+#endif
+  (void)isa, (void)acc, (void)n;
+}
+
 // Philox words of the first blocks of [k4_begin, k4_begin + blocks) of row (bh, q) that the path computes
 // `width` blocks at a time, in DropoutSampler::fill_bits's layout; returns how many blocks that covered
 // (0 on the portable path). The caller computes the rest one block at a time.

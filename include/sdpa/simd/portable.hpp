@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "sdpa/gemm/epilogue.hpp"
 #include "sdpa/gemm/pack.hpp"
@@ -133,6 +134,44 @@ float dot_stored(const T* a, const float* b, Eigen::Index n) noexcept {
   float s = 0.0f;
   for (Eigen::Index i = 0; i < n; ++i) s += widen(a[i]) * b[i];
   return s;
+}
+
+// The stored forms of chunk_scores and add_weighted_rows: the rows widened into the calling thread's
+// scratch (grown once), then the float forms, so that the bits are those of the widened rows.
+inline std::vector<float>& widen_scratch(std::size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf;
+}
+
+template <typename T>
+void chunk_scores_stored(const T* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n, const float* scales,
+                         Eigen::Index scale_row, const float* q, Eigen::Index q_head, Eigen::Index q_row,
+                         Eigen::Index heads, Eigen::Index group, Eigen::Index nq, Eigen::Index d, float scale, float* s,
+                         Eigen::Index lds) noexcept {
+  const Eigen::Index kv_heads = (heads + group - 1) / group;
+  std::vector<float>& wide = widen_scratch(static_cast<std::size_t>(kv_heads * d));
+  for (Eigen::Index j = 0; j < n; ++j) {
+    for (Eigen::Index g = 0; g < kv_heads; ++g)
+      for (Eigen::Index c = 0; c < d; ++c) {
+        const float x = widen(k[j * k_row + g * k_head + c]);
+        wide[static_cast<std::size_t>(g * d + c)] = scales != nullptr ? x * scales[j * scale_row + g] : x;
+      }
+    chunk_scores(wide.data(), Eigen::Index{0}, d, Eigen::Index{1}, q, q_head, q_row, heads, group, nq, d, scale, s + j, lds);
+  }
+}
+
+template <typename T>
+void add_weighted_rows_stored(float* acc, Eigen::Index n, const float* w, const T* rows, Eigen::Index stride,
+                              const float* scales, Eigen::Index scale_stride, Eigen::Index m) noexcept {
+  std::vector<float>& wide = widen_scratch(static_cast<std::size_t>(n));
+  for (Eigen::Index j = 0; j < m; ++j) {
+    for (Eigen::Index c = 0; c < n; ++c) {
+      const float x = widen(rows[j * stride + c]);
+      wide[static_cast<std::size_t>(c)] = scales != nullptr ? x * scales[j * scale_stride] : x;
+    }
+    add_weighted_rows(acc, n, w + j, wide.data(), n, Eigen::Index{1});
+  }
 }
 
 template <typename T>
