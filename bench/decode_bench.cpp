@@ -17,6 +17,10 @@
 //   decode/generate/N:4096/threads:1              4096 tokens one by one from an empty cache (one iteration)
 //   decode_bench --peak_rss_generate N            generates N tokens, prints {"N", "vm_hwm_mib",
 //                                                 "cache_mib", "weights_mib"} as JSON (fresh process)
+//   decode_bench --storage_error                  a 256-token decode after a 64-token prompt with each narrow
+//                                                 cache against the float cache, on the benchmark's module
+//                                                 and on peaked attention (its queries' weights x 8, x 32): the
+//                                                 relative max-norm error of the outputs and the bytes, JSON
 // Counters: bytes (what a step reads), GBps (those bytes per second).
 #include <benchmark/benchmark.h>
 
@@ -185,8 +189,37 @@ void add(const std::string& name, F f) {
 }  // namespace
 }  // namespace sdpa_bench
 
+// decode_bench --storage_error (see the header).
+int storage_error() {
+  using namespace sdpa_bench;
+  const Decoding& d = decoding();
+  for (double q_scale : {1.0, 8.0, 32.0}) {
+    Module m = d.module;
+    for (Index i = 0; i < m.fc_q().weight().size(); ++i) m.fc_q().weight().data()[i] *= static_cast<float>(q_scale);
+    for (sdpa::Storage s : {sdpa::Storage::kBFloat16, sdpa::Storage::kFloat16, sdpa::Storage::kInt8}) {
+      Cache f(m, 1, 320), n(m, 1, 320, s);
+      const Tensor3 prompt = d.tokens(1, 64, 7), steps = d.tokens(1, 256, 8);
+      (void)m.step(prompt, f);
+      (void)m.step(prompt, n);
+      double err = 0, norm = 0;
+      for (Index t = 0; t < 256; ++t) {
+        const Eigen::TensorMap<const Tensor3> x(steps.data() + t * 512, 1, 1, 512);
+        const Tensor3 a = m.step(x, f), b = m.step(x, n);
+        for (Index i = 0; i < 512; ++i) {
+          err = std::max(err, static_cast<double>(std::abs(a.data()[i] - b.data()[i])));
+          norm = std::max(norm, static_cast<double>(std::abs(a.data()[i])));
+        }
+      }
+      std::printf("{\"storage\": \"%s\", \"q_scale\": %g, \"error\": %.4g, \"bytes\": %zu, \"float_bytes\": %zu}\n",
+                  sdpa::storage_name(s), q_scale, err / norm, n.bytes(), f.bytes());
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   using namespace sdpa_bench;
+  if (argc == 2 && std::strcmp(argv[1], "--storage_error") == 0) return storage_error();
   if (argc == 3 && std::strcmp(argv[1], "--peak_rss_generate") == 0) {
     const Index n = std::atol(argv[2]);
     const Decoding& d = decoding();

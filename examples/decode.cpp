@@ -1,7 +1,10 @@
 // A tiny greedy generator: token embeddings, one causal attention layer with a residual connection, and
 // an output head, all with fixed random weights. It generates the same tokens twice, once recomputing the
 // layer over the whole sequence for every new token and once with a KVCache (one step per token), and
-// prints the tokens and both speeds.
+// prints the tokens and both speeds. Then it generates again with the cache stored as bfloat16, float16 and
+// int8 (sdpa::Storage) and prints how many of the tokens agree with the float cache's (greedy decoding
+// follows the first different token elsewhere, so it counts the tokens up to the first difference) and the
+// cache's bytes.
 //
 //   decode [TOKENS]        (default 256 new tokens after an 8-token prompt)
 #include <chrono>
@@ -71,16 +74,20 @@ int main(int argc, char** argv) {
   const double slow_s = std::chrono::duration<double>(Clock::now() - t0).count();
 
   // With a cache: the prompt in one step, then one step per token.
-  std::vector<int> fast = prompt;
+  const auto generate = [&](sdpa::KVCache<float>& cache) {
+    std::vector<int> tokens = prompt;
+    Tensor3 x = model.embed(prompt);
+    Tensor3 y = model.attention.step(x, cache);
+    for (int i = 0; i < new_tokens; ++i) {
+      tokens.push_back(model.next(x, y, x.dimension(1) - 1, y.dimension(1) - 1));
+      x = model.embed({tokens.back()});
+      y = model.attention.step(x, cache);
+    }
+    return tokens;
+  };
   sdpa::KVCache<float> cache(model.attention, /*batch=*/1);
   const auto t1 = Clock::now();
-  Tensor3 x = model.embed(prompt);
-  Tensor3 y = model.attention.step(x, cache);
-  for (int i = 0; i < new_tokens; ++i) {
-    fast.push_back(model.next(x, y, x.dimension(1) - 1, y.dimension(1) - 1));
-    x = model.embed({fast.back()});
-    y = model.attention.step(x, cache);
-  }
+  const std::vector<int> fast = generate(cache);
   const double fast_s = std::chrono::duration<double>(Clock::now() - t1).count();
 
   std::cout << "tokens:";
@@ -89,6 +96,15 @@ int main(int argc, char** argv) {
   std::cout << "without a cache: " << new_tokens / slow_s << " tokens/s\n"
             << "with a KVCache:  " << new_tokens / fast_s << " tokens/s (" << slow_s / fast_s << "x), cache of "
             << cache.size() << " entries\n";
+  // Narrow caches: the tokens that agree with the float cache's, up to the first that differs.
+  for (sdpa::Storage s : {sdpa::Storage::kBFloat16, sdpa::Storage::kFloat16, sdpa::Storage::kInt8}) {
+    sdpa::KVCache<float> narrow(model.attention, 1, 0, s);
+    const std::vector<int> tokens = generate(narrow);
+    std::size_t same = 0;
+    while (prompt.size() + same < tokens.size() && tokens[prompt.size() + same] == fast[prompt.size() + same]) ++same;
+    std::cout << sdpa::storage_name(s) << " cache: " << same << " of " << new_tokens << " tokens as the float cache's, "
+              << narrow.bytes() << " bytes (float: " << cache.bytes() << ")\n";
+  }
   // The two generate the same tokens (a near tie could in principle round differently; none here).
   if (slow != fast) {
     std::cerr << "the cached and the recomputed generations differ\n";
