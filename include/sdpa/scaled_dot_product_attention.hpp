@@ -505,14 +505,44 @@ class ScaledDotProductAttention {
       for (Target& t : targets) t.y += r0 * t.ldy;
       kernels::project_rows<Scalar>(x + r0 * d_model_, r1 - r0, d_model_, targets, device);
     };
-    // The key rows of each batch entry: [b * nk, b * nk + length) projected, the rest zeroed in columns
-    // [c0, c0 + width) of the buffer (stride ld).
-    auto key_passes = [&](const Scalar* x, std::vector<Target> targets, Scalar* buffer, Index ld, Index c0, Index width) {
-      if (key_lengths == nullptr) return pass(x, 0, rows_k, targets);
-      for (Index b = 0; b < batch; ++b) {
-        pass(x, b * nk, b * nk + key_lengths[b], targets);
-        for (Index r = b * nk + key_lengths[b]; r < (b + 1) * nk; ++r) std::fill_n(buffer + r * ld + c0, width, Scalar(0));
+    // The key rows of each batch entry: [b * nk, b * nk + length) projected by `layers` into columns
+    // [c0, c0 + their widths) of the buffer (stride ld), the rest of those columns zeroed. With lengths
+    // shorter than nk in a batch of several entries, the visible rows are gathered into one block and
+    // projected in one pass, then scattered back: each weight is packed once for the whole batch, not once
+    // per batch entry (whose short passes spent as long packing as multiplying).
+    auto key_passes = [&](const Scalar* x, std::vector<const LinearType*> layers, Scalar* buffer, Index ld, Index c0) {
+      Index width = 0;
+      for (const LinearType* l : layers) width += l->out_features();
+      Index visible = 0;
+      for (Index b = 0; key_lengths != nullptr && b < batch; ++b) visible += key_lengths[b];
+      if (key_lengths == nullptr || visible == rows_k || batch == 1) {
+        std::vector<Target> targets;
+        Index c = c0;
+        for (const LinearType* l : layers) {
+          targets.push_back(target(*l, buffer + c, ld));
+          c += l->out_features();
+        }
+        pass(x, 0, key_lengths == nullptr ? rows_k : key_lengths[0], targets);
+      } else {
+        detail::Buffer<Scalar> block = scratch_.take(static_cast<std::size_t>(visible * (d_model_ + width)));
+        Scalar* gathered = block.data();
+        Scalar* projected = gathered + visible * d_model_;
+        for (Index b = 0, at = 0; b < batch; at += key_lengths[b], ++b)
+          std::copy_n(x + b * nk * d_model_, key_lengths[b] * d_model_, gathered + at * d_model_);
+        std::vector<Target> targets;
+        Index c = 0;
+        for (const LinearType* l : layers) {
+          targets.push_back(target(*l, projected + c, width));
+          c += l->out_features();
+        }
+        if (visible > 0) kernels::project_rows<Scalar>(gathered, visible, d_model_, targets, device);
+        for (Index b = 0, at = 0; b < batch; at += key_lengths[b], ++b)
+          for (Index r = 0; r < key_lengths[b]; ++r)
+            std::copy_n(projected + (at + r) * width, width, buffer + (b * nk + r) * ld + c0);
+        scratch_.give(std::move(block));
       }
+      for (Index b = 0; key_lengths != nullptr && b < batch; ++b)
+        for (Index r = b * nk + key_lengths[b]; r < (b + 1) * nk; ++r) std::fill_n(buffer + r * ld + c0, width, Scalar(0));
     };
     Projected r;
     if (qk_same) {
@@ -523,11 +553,9 @@ class ScaledDotProductAttention {
       if (key_lengths == nullptr) {
         pass(qv.data(), 0, rows_q, {tq, tk, tv});
       } else {
-        for (Index b = 0; b < batch; ++b) {
-          pass(qv.data(), b * nk, b * nk + key_lengths[b], {tq, tk, tv});
-          pass(qv.data(), b * nk + key_lengths[b], (b + 1) * nk, {tq});
-          for (Index row = b * nk + key_lengths[b]; row < (b + 1) * nk; ++row) std::fill_n(base + row * ld + hq, hk + hv, Scalar(0));
-        }
+        // Every query row, and the keys and values of the visible rows only.
+        pass(qv.data(), 0, rows_q, {tq});
+        key_passes(qv.data(), {&fc_k_, &fc_v_}, base, ld, hq);
       }
       r.q = base;
       r.k = base + hq;
@@ -544,10 +572,10 @@ class ScaledDotProductAttention {
     Scalar* base = r.kv_only.data();
     const Index ld = hk + hv;
     if (kv_same) {
-      key_passes(kv.data(), {target(fc_k_, base, ld), target(fc_v_, base + hk, ld)}, base, ld, 0, hk + hv);
+      key_passes(kv.data(), {&fc_k_, &fc_v_}, base, ld, 0);
     } else {
-      key_passes(kv.data(), {target(fc_k_, base, ld)}, base, ld, 0, hk);
-      key_passes(vv.data(), {target(fc_v_, base + hk, ld)}, base, ld, hk, hv);
+      key_passes(kv.data(), {&fc_k_}, base, ld, 0);
+      key_passes(vv.data(), {&fc_v_}, base, ld, hk);
     }
     r.k = base;
     r.v = base + hk;
