@@ -68,9 +68,12 @@
 #define SDPA_DISPATCH 0
 #endif
 
-// For a micro-kernel's store: called out of line, it would take the accumulators through memory.
+// For a micro-kernel's store and steps: called out of line, they would take the accumulators through memory.
+// (The _LAMBDA form goes after a lambda's parameter list.)
 #if defined(__GNUC__) || defined(__clang__)
 #define SDPA_ALWAYS_INLINE __attribute__((always_inline)) inline
+#define SDPA_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define SDPA_ALWAYS_INLINE inline
+#define SDPA_ALWAYS_INLINE_LAMBDA
 #endif

@@ -19,7 +19,8 @@ template <typename Scalar, Eigen::Index Stride>
 struct PackedSliver {
   const Scalar* a;
   const Scalar* ptr(int r) const noexcept { return a + r; }
-  void step() noexcept { a += Stride; }
+  static constexpr Eigen::Index offset(int u) noexcept { return u * Stride; }  // of step u from the current one
+  void step(Eigen::Index n) noexcept { a += n * Stride; }
 };
 
 // Rows of A where they lie: value r of k step p at a[r * lda + p].
@@ -28,7 +29,8 @@ struct RowsInPlace {
   const Scalar* a;
   Eigen::Index lda;
   const Scalar* ptr(int r) const noexcept { return a + r * lda; }
-  void step() noexcept { ++a; }
+  static constexpr Eigen::Index offset(int u) noexcept { return u; }
+  void step(Eigen::Index n) noexcept { a += n; }
 };
 
 // Lines a micro-kernel brings to L2 while it runs, one per k step: `rows` segments of `width` values, ld
