@@ -63,12 +63,44 @@ struct CallShape {
   Eigen::Index batch = 0, heads = 0, kv_heads = 0, nq = 0, nk = 0, d_k = 0, d_v = 0;
 };
 
+// Packed sequences (cu_seqlens_q / cu_seqlens_k) against the call's shape: a batch of one, two boundary
+// lists of the same length from 0 up to the rows, and none of the options that have no packed form.
+template <typename Scalar>
+void check_packed(const CallShape& c, const AttentionOptions<Scalar>& o) {
+  const char* where = c.where;
+  if (c.batch != 1)
+    throw_invalid(where, "the batch (packed sequences, cu_seqlens_q / cu_seqlens_k)", "1: the sequences are rows of one batch entry",
+                  c.batch);
+  if (o.cu_seqlens_q.empty() || o.cu_seqlens_q.size() != o.cu_seqlens_k.size())
+    throw_invalid(where, "cu_seqlens_k", concat("as many entries as cu_seqlens_q (", o.cu_seqlens_q.size(), "), at least 1"),
+                  concat(o.cu_seqlens_k.size(), " entries"));
+  const auto bounds = [&](const std::vector<Eigen::Index>& cu, const char* name, Eigen::Index rows, const char* what) {
+    if (cu.front() != 0) throw_invalid(where, concat(name, "[0]"), "0", cu.front());
+    for (std::size_t s = 1; s < cu.size(); ++s)
+      if (cu[s] < cu[s - 1])
+        throw_invalid(where, concat(name, "[", s, "]"), concat("at least ", name, "[", s - 1, "] = ", cu[s - 1]), cu[s]);
+    if (cu.back() != rows)
+      throw_invalid(where, concat(name, "[", cu.size() - 1, "] (the last)"), concat(rows, ", the number of ", what), cu.back());
+  };
+  bounds(o.cu_seqlens_q, "cu_seqlens_q", c.nq, "query rows");
+  bounds(o.cu_seqlens_k, "cu_seqlens_k", c.nk, "key rows");
+  const char* unpacked = o.attention_mask != nullptr      ? "attention_mask"
+                         : o.attention_weights != nullptr ? "attention_weights"
+                         : o.attention_bias != nullptr    ? "attention_bias"
+                         : !o.key_lengths.empty()         ? "key_lengths"
+                         : o.probabilities != nullptr     ? "probabilities"
+                                                          : nullptr;
+  if (unpacked != nullptr)
+    throw_invalid(where, unpacked, "unset with packed sequences (cu_seqlens: it has no packed form)", "set");
+}
+
 // Every option against the call's shape, before any work: std::invalid_argument naming the function, the
 // field, what it must be and what it is. A module call (module_call) refuses the fields that belong to
 // sdpa::attention alone.
 template <typename Scalar>
 void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>& o, bool module_call) {
   const char* where = c.where;
+  if (o.packed()) check_packed(c, o);
   const std::array<Eigen::Index, 4> full{c.batch, c.heads, c.nq, c.nk};
   make_broadcast_view(o.attention_mask, full, where, "attention_mask");
   make_broadcast_view(o.attention_weights, full, where, "attention_weights");
@@ -172,6 +204,91 @@ void run_attention_backward(const kernels::BackwardProblem<Scalar>& bp, Kernel k
     kernels::tiled_backward(bp, device);
 }
 
+// Sequence s of a packed problem p (a batch of one whose q rows are the sequences' queries one after the
+// other, k and v rows their keys): a batch of one over its own rows, its queries at q + nk_s - nq_s, its
+// log-sum-exp at lse + heads * cu_q[s], its dropout drawn as batch entry s's would be.
+template <typename Scalar>
+kernels::AttentionProblem<Scalar> sequence_problem(const kernels::AttentionProblem<Scalar>& p,
+                                                   const std::vector<Eigen::Index>& cu_q,
+                                                   const std::vector<Eigen::Index>& cu_k, std::size_t s) {
+  kernels::AttentionProblem<Scalar> ps = p;
+  const Eigen::Index q0 = cu_q[s], k0 = cu_k[s];
+  ps.nq = cu_q[s + 1] - q0;
+  ps.nk = cu_k[s + 1] - k0;
+  ps.query_offset = ps.nk - ps.nq;
+  ps.q.data = p.q.data != nullptr ? p.q.row(0, 0, q0) : nullptr;
+  ps.k.data = p.k.data != nullptr ? p.k.row(0, 0, k0) : nullptr;
+  ps.v.data = p.v.data != nullptr ? p.v.row(0, 0, k0) : nullptr;
+  ps.out.data = p.out.data != nullptr ? p.out.row(0, 0, q0) : nullptr;
+  if (p.lse != nullptr) ps.lse = p.lse + p.heads * q0;
+  ps.sampler = p.sampler.offset_rows(static_cast<std::int64_t>(s) * p.heads);
+  return ps;
+}
+
+// The forward of a packed problem: each sequence on its own (its rows only: no padding is computed).
+template <typename Scalar>
+void run_packed(const kernels::AttentionProblem<Scalar>& p, const std::vector<Eigen::Index>& cu_q,
+                const std::vector<Eigen::Index>& cu_k, Kernel kernel, const Eigen::ThreadPoolDevice* device) {
+  for (std::size_t s = 0; s + 1 < cu_q.size(); ++s) {
+    const kernels::AttentionProblem<Scalar> ps = sequence_problem(p, cu_q, cu_k, s);
+    if (ps.nq > 0 && ps.heads > 0) run_attention(ps, kernel, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), device);
+  }
+}
+
+// The backward of a packed problem, sequence by sequence: the gradients' rows of each sequence from its
+// own backward (zero where it has no queries or no keys); the sinks' gradients summed in sequence order.
+template <typename Scalar>
+void run_packed_backward(const kernels::BackwardProblem<Scalar>& bp, const std::vector<Eigen::Index>& cu_q,
+                         const std::vector<Eigen::Index>& cu_k, Kernel kernel, const Eigen::ThreadPoolDevice* device) {
+  using Index = Eigen::Index;
+  const kernels::AttentionProblem<Scalar>& p = *bp.forward;
+  std::vector<Scalar> sinks(bp.d_sinks != nullptr ? static_cast<std::size_t>(p.heads) : 0);
+  if (bp.d_sinks != nullptr) std::fill_n(bp.d_sinks, p.heads, Scalar(0));
+  const auto zero = [&](const kernels::Heads<Scalar>& t, Index row, Index rows, Index heads, Index d) {
+    for (Index i = 0; i < rows; ++i)
+      for (Index h = 0; h < heads; ++h) std::fill_n(t.row(0, h, row + i), d, Scalar(0));
+  };
+  for (std::size_t s = 0; s + 1 < cu_q.size(); ++s) {
+    const kernels::AttentionProblem<Scalar> ps = sequence_problem(p, cu_q, cu_k, s);
+    if (ps.nq == 0 || ps.nk == 0 || ps.heads == 0) {
+      zero(bp.d_q, cu_q[s], ps.nq, p.heads, p.d_k);
+      zero(bp.d_k, cu_k[s], ps.nk, p.kv_heads(), p.d_k);
+      zero(bp.d_v, cu_k[s], ps.nk, p.kv_heads(), p.d_v);
+      continue;
+    }
+    kernels::BackwardProblem<Scalar> bps = bp;
+    bps.forward = &ps;
+    bps.d_out.data = bp.d_out.row(0, 0, cu_q[s]);
+    bps.d_q.data = bp.d_q.row(0, 0, cu_q[s]);
+    bps.d_k.data = bp.d_k.row(0, 0, cu_k[s]);
+    bps.d_v.data = bp.d_v.row(0, 0, cu_k[s]);
+    if (bp.d_sinks != nullptr) bps.d_sinks = sinks.data();
+    run_attention_backward(bps, kernel, device);
+    if (bp.d_sinks != nullptr)
+      for (Index h = 0; h < p.heads; ++h) bp.d_sinks[h] += sinks[static_cast<std::size_t>(h)];
+  }
+}
+
+// Rotates rows [0, n) of heads `heads` (row i at position first + i): once per batch entry, or for packed
+// sequences (cu given) each sequence's rows from its own positions (queries first = nk_s - nq_s: pass the
+// other list as `other`, keys first = 0).
+template <typename Scalar>
+void rotate_rows(const Rotary& rotary, const kernels::Heads<Scalar>& t, Eigen::Index batch, Eigen::Index n,
+                 Eigen::Index heads, Eigen::Index d, Eigen::Index first, const std::vector<Eigen::Index>* cu,
+                 const std::vector<Eigen::Index>* other, bool inverse = false) {
+  if (t.data == nullptr) return;
+  if (cu == nullptr) {
+    for (Eigen::Index b = 0; b < batch; ++b)
+      apply_rotary(rotary, t.row(b, 0, 0), n, t.row_stride, heads, t.head_stride, d, first, inverse);
+    return;
+  }
+  for (std::size_t s = 0; s + 1 < cu->size(); ++s) {
+    const Eigen::Index rows = (*cu)[s + 1] - (*cu)[s];
+    const Eigen::Index start = other != nullptr ? ((*other)[s + 1] - (*other)[s]) - rows : 0;
+    if (rows > 0) apply_rotary(rotary, t.row(0, 0, (*cu)[s]), rows, t.row_stride, heads, t.head_stride, d, start, inverse);
+  }
+}
+
 // The view of a head tensor in one of the two layouts: head h of row i of batch b.
 template <typename T>
 kernels::Heads<T> heads_of(T* data, const std::array<Eigen::Index, 4>& dims, Layout layout) {
@@ -247,14 +364,28 @@ class AttentionState;
 template <typename Scalar>
 struct AttentionGradients;
 
+template <typename Scalar>
+using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
+template <typename Scalar>
+struct VarlenGradients;
+
 namespace detail {
 template <typename Scalar>
 Tensor4<Scalar> attention_impl(const Input4<Scalar>& q, const Input4<Scalar>& k, const Input4<Scalar>& v,
-                               const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state);
+                               const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state,
+                               const char* where = "attention");
+template <typename Scalar>
+AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_output, const std::array<Eigen::Index, 4>& dims,
+                                                   const AttentionState<Scalar>& state, const char* where);
+template <typename Scalar>
+Tensor3<Scalar> attention_varlen_impl(const InputView<Scalar>& q, const InputView<Scalar>& k, const InputView<Scalar>& v,
+                                      const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state);
 }  // namespace detail
 
 template <typename Scalar>
 AttentionGradients<Scalar> attention_backward(const Tensor4<Scalar>& grad_output, const AttentionState<Scalar>& state);
+template <typename Scalar>
+VarlenGradients<Scalar> attention_varlen_backward(const Tensor3<Scalar>& grad_output, const AttentionState<Scalar>& state);
 
 // What attention_backward needs from one forward (O(N) memory: copies of q, k and v as the kernel read them,
 // rotated when a rotary was given; the output; each row's log-sum-exp; the options and the dropout draw;
@@ -274,11 +405,20 @@ class AttentionState {
  private:
   template <typename S>
   friend Tensor4<S> detail::attention_impl(const detail::Input4<S>&, const detail::Input4<S>&, const detail::Input4<S>&,
-                                           const AttentionOptions<S>&, AttentionState<S>*);
+                                           const AttentionOptions<S>&, AttentionState<S>*, const char*);
+  template <typename S>
+  friend AttentionGradients<S> detail::attention_backward_impl(const S*, const std::array<Eigen::Index, 4>&,
+                                                                const AttentionState<S>&, const char*);
   template <typename S>
   friend AttentionGradients<S> attention_backward(const Tensor4<S>&, const AttentionState<S>&);
+  template <typename S>
+  friend VarlenGradients<S> attention_varlen_backward(const Tensor3<S>&, const AttentionState<S>&);
+  template <typename S>
+  friend Tensor3<S> detail::attention_varlen_impl(const detail::InputView<S>&, const detail::InputView<S>&,
+                                                  const detail::InputView<S>&, const AttentionOptions<S>&, AttentionState<S>*);
 
   bool filled_ = false;
+  bool varlen_ = false;  // filled by attention_varlen: its backward is attention_varlen_backward
   detail::CallShape shape_;
   std::array<Eigen::Index, 4> q_dims_{}, k_dims_{}, v_dims_{};
   Tensor4<Scalar> q_, k_, v_, out_;
@@ -347,9 +487,8 @@ namespace detail {
 // The checks and the kernel run of both attention overloads; state (optional) is filled for a backward.
 template <typename Scalar>
 Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& ki, const Input4<Scalar>& vi,
-                               const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state) {
+                               const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state, const char* where) {
   using Index = Eigen::Index;
-  const char* where = "attention";
   const Layout layout = options.layout;
   const std::array<Index, 4> qd = bhnd(qi.dims(), layout), kd = bhnd(ki.dims(), layout), vd = bhnd(vi.dims(), layout);
   const auto shape = [&](const Input4<Scalar>& t) { return shape_string(t.dims()); };
@@ -405,13 +544,13 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
     k_rot = Tensor4<Scalar>(ki.dims());
     if (q_rot.size() > 0) std::copy_n(qp, q_rot.size(), q_rot.data());
     if (k_rot.size() > 0) std::copy_n(kp, k_rot.size(), k_rot.data());
-    const auto rotate = [&](Tensor4<Scalar>& t, Index heads, Index n, Index first) {
-      const kernels::Heads<Scalar> h = heads_of(t.data(), t.dimensions(), layout);
-      for (Index b = 0; b < c.batch; ++b)
-        apply_rotary(*options.rotary, h.row(b, 0, 0), n, h.row_stride, heads, h.head_stride, c.d_k, first);
-    };
-    if (q_rot.size() > 0) rotate(q_rot, c.heads, c.nq, c.nk - c.nq);
-    if (k_rot.size() > 0) rotate(k_rot, c.kv_heads, c.nk, 0);
+    const bool packed = options.packed();
+    if (q_rot.size() > 0)
+      rotate_rows(*options.rotary, heads_of(q_rot.data(), q_rot.dimensions(), layout), c.batch, c.nq, c.heads, c.d_k,
+                  c.nk - c.nq, packed ? &options.cu_seqlens_q : nullptr, packed ? &options.cu_seqlens_k : nullptr);
+    if (k_rot.size() > 0)
+      rotate_rows(*options.rotary, heads_of(k_rot.data(), k_rot.dimensions(), layout), c.batch, c.nk, c.kv_heads, c.d_k,
+                  Index{0}, packed ? &options.cu_seqlens_k : nullptr, static_cast<const std::vector<Index>*>(nullptr));
     qp = q_rot.data();
     kp = k_rot.data();
   }
@@ -430,7 +569,9 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
     lse.resize(static_cast<std::size_t>(c.batch * c.heads * c.nq));
     p.lse = lse.data();
   }
-  if (c.batch * c.heads * c.nq > 0)
+  if (options.packed())
+    run_packed(p, options.cu_seqlens_q, options.cu_seqlens_k, options.kernel, options.device);
+  else if (c.batch * c.heads * c.nq > 0)
     run_attention(p, options.kernel, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), options.device);
 
   if (state != nullptr) {
@@ -475,19 +616,31 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
 // summed in head order. Runs on the device of the forward's options. The same bits on any thread count.
 template <typename Scalar>
 AttentionGradients<Scalar> attention_backward(const Tensor4<Scalar>& grad_output, const AttentionState<Scalar>& s) {
-  using Index = Eigen::Index;
   const char* where = "attention_backward";
   if (s.empty())
     throw std::logic_error("sdpa::attention_backward: the state is empty: pass the state that attention(q, k, v, options, "
                            "state) filled");
-  const detail::CallShape& c = s.shape_;
-  const AttentionOptions<Scalar>& o = s.options_;
-  const Layout layout = o.layout;
-  const std::array<Index, 4> want = s.out_.dimensions();
+  if (s.varlen_)
+    throw std::logic_error("sdpa::attention_backward: the state is attention_varlen's: pass it to attention_varlen_backward");
+  const std::array<Eigen::Index, 4> want = s.out_.dimensions();
   for (std::size_t i = 0; i < 4; ++i)
     if (grad_output.dimension(i) != want[i])
       detail::throw_invalid(where, "grad_output", detail::concat("of the forward's output shape ", detail::shape_string(want)),
                             detail::concat("of shape ", detail::shape_string(grad_output.dimensions())));
+  return detail::attention_backward_impl(grad_output.data(), want, s, where);
+}
+
+namespace detail {
+
+// attention_backward and attention_varlen_backward after their checks of grad_output: dims, the forward's
+// output shape (a packed call's as (1, total, heads, d_v)).
+template <typename Scalar>
+AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, const std::array<Eigen::Index, 4>& grad_dims,
+                                                   const AttentionState<Scalar>& s, const char* where) {
+  using Index = Eigen::Index;
+  const detail::CallShape& c = s.shape_;
+  const AttentionOptions<Scalar>& o = s.options_;
+  const Layout layout = o.layout;
   detail::CallShape checked = c;
   checked.where = where;
   // The tensors the options point to must still have the shapes they had.
@@ -513,7 +666,7 @@ AttentionGradients<Scalar> attention_backward(const Tensor4<Scalar>& grad_output
   p.keep_scale = s.keep_scale_;
   kernels::BackwardProblem<Scalar> bp;
   bp.forward = &p;
-  bp.d_out = detail::heads_of(grad_output.data(), grad_output.dimensions(), layout);
+  bp.d_out = detail::heads_of(grad_data, grad_dims, layout);
   bp.d_q = detail::heads_of(g.q.data(), g.q.dimensions(), layout);
   bp.d_k = detail::heads_of(g.k.data(), g.k.dimensions(), layout);
   bp.d_v = detail::heads_of(g.v.data(), g.v.dimensions(), layout);
@@ -526,7 +679,9 @@ AttentionGradients<Scalar> attention_backward(const Tensor4<Scalar>& grad_output
     for (std::size_t i = 0; i < 4; ++i) bp.bias_dims[i] = g.attention_bias.dimension(i);
   }
   if (p.sinks != nullptr) bp.d_sinks = g.sinks.data();
-  if (c.batch > 0 && c.heads > 0) {
+  if (o.packed()) {
+    detail::run_packed_backward(bp, o.cu_seqlens_q, o.cu_seqlens_k, o.kernel, o.device);
+  } else if (c.batch > 0 && c.heads > 0) {
     detail::run_attention_backward(bp, o.kernel, o.device);
   } else {
     if (g.q.size() > 0) g.q.setZero();
@@ -535,15 +690,145 @@ AttentionGradients<Scalar> attention_backward(const Tensor4<Scalar>& grad_output
   }
   // The gradients of the rotated q and k, rotated back.
   if (s.has_rotary_) {
-    const auto unrotate = [&](Tensor4<Scalar>& t, Index heads, Index n, Index first) {
-      if (t.size() == 0) return;
-      const kernels::Heads<Scalar> h = detail::heads_of(t.data(), t.dimensions(), layout);
-      for (Index b = 0; b < c.batch; ++b)
-        apply_rotary(s.rotary_, h.row(b, 0, 0), n, h.row_stride, heads, h.head_stride, c.d_k, first, /*inverse=*/true);
-    };
-    unrotate(g.q, c.heads, c.nq, c.nk - c.nq);
-    unrotate(g.k, c.kv_heads, c.nk, 0);
+    const bool packed = o.packed();
+    if (g.q.size() > 0)
+      detail::rotate_rows(s.rotary_, detail::heads_of(g.q.data(), g.q.dimensions(), layout), c.batch, c.nq, c.heads, c.d_k,
+                          c.nk - c.nq, packed ? &o.cu_seqlens_q : nullptr, packed ? &o.cu_seqlens_k : nullptr,
+                          /*inverse=*/true);
+    if (g.k.size() > 0)
+      detail::rotate_rows(s.rotary_, detail::heads_of(g.k.data(), g.k.dimensions(), layout), c.batch, c.nk, c.kv_heads, c.d_k,
+                          Index{0}, packed ? &o.cu_seqlens_k : nullptr, static_cast<const std::vector<Index>*>(nullptr),
+                          /*inverse=*/true);
   }
+  return g;
+}
+
+}  // namespace detail
+
+// ---- Packed variable-length sequences (FlashAttention's flash_attn_varlen_func) ----
+
+// The gradients of attention_varlen's inputs, in their (total, heads, dim) shapes, and of the sinks.
+template <typename Scalar>
+struct VarlenGradients {
+  Tensor3<Scalar> q, k, v;
+  std::vector<Scalar> sinks;
+};
+
+namespace detail {
+
+template <typename T, typename Scalar>
+constexpr bool is_valid_varlen_tensor() {
+  using Tr = InputTraits<T>;
+  return Tr::kIsTensor && Tr::kRank == 3 && Tr::kRowMajor && std::is_same<typename Tr::Scalar, Scalar>::value;
+}
+
+#define SDPA_DETAIL_CHECK_VARLEN(T, Scalar)                                                                      \
+  static_assert(::sdpa::detail::InputTraits<T>::kIsTensor && ::sdpa::detail::InputTraits<T>::kRank == 3,       \
+                "sdpa::attention_varlen: q, k and v must be rank-3 Eigen tensors (total rows, heads, dim)");    \
+  static_assert(!::sdpa::detail::InputTraits<T>::kIsTensor ||                                                   \
+                    std::is_same<typename ::sdpa::detail::InputTraits<T>::Scalar, Scalar>::value,               \
+                "sdpa::attention_varlen: q, k and v must have the same scalar type (float or double)");         \
+  static_assert(!::sdpa::detail::InputTraits<T>::kIsTensor || ::sdpa::detail::InputTraits<T>::kRowMajor,       \
+                "sdpa::attention_varlen: q, k and v must be RowMajor")
+
+// attention_varlen's checks of its rank-3 inputs, then attention_impl over (1, total, heads, dim) views in
+// the (batch, seq, heads, dim) layout, the result copied out as (total, heads, d_v).
+template <typename Scalar>
+Tensor3<Scalar> attention_varlen_impl(const InputView<Scalar>& q, const InputView<Scalar>& k, const InputView<Scalar>& v,
+                                      const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state) {
+  using Index = Eigen::Index;
+  const char* where = "attention_varlen";
+  if (!options.packed())
+    throw_invalid(where, "cu_seqlens_q and cu_seqlens_k", "the sequences' row boundaries", "empty");
+  if (options.layout != Layout::kBHND)
+    throw_invalid(where, "layout", "left at its default (the inputs are (total rows, heads, dim))", "set");
+  const auto shape = [](const InputView<Scalar>& t) { return shape_string(t.dims()); };
+  const auto& qd = q.dims();
+  const auto& kd = k.dims();
+  const auto& vd = v.dims();
+  if (vd[0] != kd[0] || vd[1] != kd[1])
+    throw_invalid(where, "v dimensions 0 and 1 (rows, key/value heads)", concat("those of k, (", kd[0], ", ", kd[1], ")"),
+                  concat("(", vd[0], ", ", vd[1], ") (v shape ", shape(v), ")"));
+  if (kd[2] != qd[2]) throw_invalid(where, "k dimension 2 (d_k)", concat(qd[2], ", the d_k of q"), concat(kd[2], " (k shape ", shape(k), ")"));
+  if (qd[1] > 0 && (kd[1] <= 0 || qd[1] % kd[1] != 0))
+    throw_invalid(where, "k dimension 1 (key/value heads)", concat("a positive divisor of the query heads, ", qd[1]),
+                  concat(kd[1], " (k shape ", shape(k), ")"));
+  AttentionOptions<Scalar> o = options;
+  o.layout = Layout::kBNHD;
+  const auto as4 = [](const InputView<Scalar>& t) {
+    return Eigen::TensorMap<Tensor4<Scalar>>(const_cast<Scalar*>(t.data()), 1, t.dims()[0], t.dims()[1], t.dims()[2]);
+  };
+  const Input4<Scalar> qi(as4(q)), ki(as4(k)), vi(as4(v));
+  const Tensor4<Scalar> out4 = attention_impl(qi, ki, vi, o, state, where);
+  if (state != nullptr) state->varlen_ = true;
+  Tensor3<Scalar> out(out4.dimension(1), out4.dimension(2), out4.dimension(3));
+  if (out.size() > 0) std::copy_n(out4.data(), out.size(), out.data());
+  return out;
+}
+
+}  // namespace detail
+
+// Attention over packed sequences (FlashAttention's flash_attn_varlen_func): q (total_q, h, d_k), k
+// (total_k, kv_heads, d_k), v (total_k, kv_heads, d_v), row-major; options.cu_seqlens_q / cu_seqlens_k give
+// each sequence's rows (options.hpp), and every option applies per sequence; no padding is computed or
+// stored. Returns (total_q, h, d_v).
+template <typename Q, typename K, typename V>
+Tensor3<detail::ScalarOf<Q>> attention_varlen(const Q& q, const K& k, const V& v, const AttentionOptions<detail::ScalarOf<Q>>& options) {
+  using Scalar = detail::ScalarOf<Q>;
+  SDPA_DETAIL_CHECK_VARLEN(Q, Scalar);
+  SDPA_DETAIL_CHECK_VARLEN(K, Scalar);
+  SDPA_DETAIL_CHECK_VARLEN(V, Scalar);
+  if constexpr (detail::is_valid_varlen_tensor<Q, Scalar>() && detail::is_valid_varlen_tensor<K, Scalar>() &&
+                detail::is_valid_varlen_tensor<V, Scalar>()) {
+    const detail::InputView<Scalar> qi(q), ki(k), vi(v);
+    return detail::attention_varlen_impl(qi, ki, vi, options, static_cast<AttentionState<Scalar>*>(nullptr));
+  } else {
+    return Tensor3<Scalar>();
+  }
+}
+
+// The same, keeping in `state` what attention_varlen_backward needs.
+template <typename Q, typename K, typename V>
+Tensor3<detail::ScalarOf<Q>> attention_varlen(const Q& q, const K& k, const V& v, const AttentionOptions<detail::ScalarOf<Q>>& options,
+                                              AttentionState<detail::ScalarOf<Q>>& state) {
+  using Scalar = detail::ScalarOf<Q>;
+  SDPA_DETAIL_CHECK_VARLEN(Q, Scalar);
+  SDPA_DETAIL_CHECK_VARLEN(K, Scalar);
+  SDPA_DETAIL_CHECK_VARLEN(V, Scalar);
+  if constexpr (detail::is_valid_varlen_tensor<Q, Scalar>() && detail::is_valid_varlen_tensor<K, Scalar>() &&
+                detail::is_valid_varlen_tensor<V, Scalar>()) {
+    const detail::InputView<Scalar> qi(q), ki(k), vi(v);
+    return detail::attention_varlen_impl(qi, ki, vi, options, &state);
+  } else {
+    return Tensor3<Scalar>();
+  }
+}
+
+// d loss / d (q, k, v, sinks) of the attention_varlen call that filled `state`, given grad_output (total_q,
+// h, d_v); each sequence's own backward (attention_backward's rules).
+template <typename Scalar>
+VarlenGradients<Scalar> attention_varlen_backward(const Tensor3<Scalar>& grad_output, const AttentionState<Scalar>& s) {
+  const char* where = "attention_varlen_backward";
+  if (s.empty() || !s.varlen_)
+    throw std::logic_error("sdpa::attention_varlen_backward: pass the state that attention_varlen(q, k, v, options, state) "
+                           "filled");
+  const std::array<Eigen::Index, 4> want = s.out_.dimensions();  // (1, total_q, h, d_v)
+  const std::array<Eigen::Index, 3> want3{want[1], want[2], want[3]};
+  for (std::size_t i = 0; i < 3; ++i)
+    if (grad_output.dimension(i) != want3[i])
+      detail::throw_invalid(where, "grad_output", detail::concat("of the forward's output shape ", detail::shape_string(want3)),
+                            detail::concat("of shape ", detail::shape_string(grad_output.dimensions())));
+  AttentionGradients<Scalar> g4 = detail::attention_backward_impl(grad_output.data(), want, s, where);
+  VarlenGradients<Scalar> g;
+  const auto as3 = [](const Tensor4<Scalar>& t) {
+    Tensor3<Scalar> out(t.dimension(1), t.dimension(2), t.dimension(3));
+    if (out.size() > 0) std::copy_n(t.data(), out.size(), out.data());
+    return out;
+  };
+  g.q = as3(g4.q);
+  g.k = as3(g4.k);
+  g.v = as3(g4.v);
+  g.sinks = std::move(g4.sinks);
   return g;
 }
 

@@ -61,6 +61,16 @@ struct AttentionOptions {
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor>* probabilities = nullptr;  // set: resized to (b, h, nq, nk), filled
   const Eigen::ThreadPoolDevice* device = nullptr;                    // nullptr: the calling thread
 
+  // Packed variable-length sequences (FlashAttention's cu_seqlens): sequence s is query rows
+  // cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1 and key/value rows cu_seqlens_k[s] .. cu_seqlens_k[s + 1] - 1
+  // of a batch of one (the module's (1, total, d_model) inputs; sdpa::attention_varlen's (total, heads,
+  // dim) tensors), and attends to its own keys only. Every option above applies per sequence, with its own
+  // q' = q + nk_s - nq_s and its rotary positions from 0; the tensors of the first three fields, key_lengths
+  // and probabilities have no packed form and are refused. Both empty: not packed; else both with the same
+  // number of sequences + 1 entries, from 0, non-decreasing, the last the total number of rows.
+  std::vector<Eigen::Index> cu_seqlens_q, cu_seqlens_k;
+  bool packed() const noexcept { return !cu_seqlens_q.empty() || !cu_seqlens_k.empty(); }
+
   // sdpa::attention only. A module's calls refuse values other than these defaults: the module has its
   // own (set_masked_rows, set_kernel, its dropout and train()/eval(), set_rotary), and its inputs have one
   // layout.

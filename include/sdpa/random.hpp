@@ -157,12 +157,20 @@ class DropoutSampler {
                                        : static_cast<std::uint64_t>(std::llround(p * 4294967296.0))) {}
 
   bool active() const noexcept { return threshold_ != 0; }
+
+  // The same draw with every row index bh moved by `rows` (a packed sequence s of a batch of one draws as
+  // batch entry s of a padded batch would: rows = s * heads).
+  DropoutSampler offset_rows(std::int64_t rows) const noexcept {
+    DropoutSampler s = *this;
+    s.bh_offset_ += rows;
+    return s;
+  }
   bool drops_everything() const noexcept { return threshold_ == (std::uint64_t{1} << 32); }
 
   // The random words for keys 4*k4 .. 4*k4+3 of row (bh, q), where bh = b * heads + h.
   PhiloxCounter block(std::int64_t bh, std::int64_t q, std::int64_t k4) const noexcept {
     return philox4x32_10(
-        {static_cast<std::uint32_t>(k4), static_cast<std::uint32_t>(q), static_cast<std::uint32_t>(bh), call_}, key_);
+        {static_cast<std::uint32_t>(k4), static_cast<std::uint32_t>(q), static_cast<std::uint32_t>(bh + bh_offset_), call_}, key_);
   }
 
   // The words of `blocks` consecutive blocks k4_begin, k4_begin + 1, ... of row (bh, q):
@@ -172,7 +180,7 @@ class DropoutSampler {
   // every path.
   void fill_bits(Isa isa, std::int64_t bh, std::int64_t q, std::int64_t k4_begin, std::int64_t blocks,
                  std::uint32_t* out) const noexcept {
-    std::int64_t i = simd::philox_fill(isa, key_[0], key_[1], call_, bh, q, k4_begin, blocks, out);
+    std::int64_t i = simd::philox_fill(isa, key_[0], key_[1], call_, bh + bh_offset_, q, k4_begin, blocks, out);
     for (; i < blocks; ++i) {
       const PhiloxCounter words = block(bh, q, k4_begin + i);
       for (int j = 0; j < 4; ++j) out[4 * i + j] = words[static_cast<std::size_t>(j)];
@@ -188,6 +196,7 @@ class DropoutSampler {
  private:
   PhiloxKey key_;
   std::uint32_t call_;
+  std::int64_t bh_offset_ = 0;
   std::uint64_t threshold_;
 };
 

@@ -592,6 +592,22 @@ class ScaledDotProductAttention {
     for (Index b = 0; b < batch; ++b) apply_rotary(rotary_, x + b * batch_stride, n, ld, heads, d_k_, d_k_, first, inverse);
   }
 
+  // Rotates projected queries (row stride ldq, at q' = q + nk - nq) and keys (ldk, at k) of batch entries of
+  // nq and nk rows, or of the options' packed sequences each from its own positions.
+  void rotate_projected(Scalar* q, Index ldq, Scalar* k, Index ldk, Index batch, Index nq, Index nk,
+                        const AttentionOptions<Scalar>& options, bool inverse = false) const {
+    if (!has_rotary_) return;
+    if (!options.packed()) {
+      rotate(q, batch, nq * ldq, nq, ldq, h_, nk - nq, inverse);
+      rotate(k, batch, nk * ldk, nk, ldk, kv_heads_, 0, inverse);
+      return;
+    }
+    detail::rotate_rows(rotary_, kernels::Heads<Scalar>{q, 0, ldq, d_k_}, 1, nq, h_, d_k_, nk - nq, &options.cu_seqlens_q,
+                        &options.cu_seqlens_k, inverse);
+    detail::rotate_rows(rotary_, kernels::Heads<Scalar>{k, 0, ldk, d_k_}, 1, nk, kv_heads_, d_k_, Index{0},
+                        &options.cu_seqlens_k, static_cast<const std::vector<Index>*>(nullptr), inverse);
+  }
+
   // The shape of a call with nq queries against nk keys, for the core's checks (where: the function called).
   detail::CallShape call_shape(const char* where, Index batch, Index nq, Index nk) const noexcept {
     detail::CallShape c;
@@ -631,9 +647,8 @@ class ScaledDotProductAttention {
 
     const Index hv = h_ * d_v_;
     Projected proj = project(qv, kv, vv, device, options.key_lengths.empty() ? nullptr : options.key_lengths.data());
-    // Queries at q' = q + nk - nq, keys at k.
-    rotate(proj.q, batch, nq * proj.ldq, nq, proj.ldq, h_, nk - nq);
-    rotate(proj.k, batch, nk * proj.ldk, nk, proj.ldk, kv_heads_, 0);
+    // Queries at q' = q + nk - nq, keys at k (packed sequences: each from its own positions).
+    rotate_projected(proj.q, proj.ldq, proj.k, proj.ldk, batch, nq, nk, options);
 
     detail::Buffer<Scalar> att = scratch_.take(static_cast<std::size_t>(batch * nq * hv));
     kernels::AttentionProblem<Scalar> p = detail::problem_of(shape, options, masked_rows_, options.causal, nk - nq);
@@ -649,7 +664,10 @@ class ScaledDotProductAttention {
       capture->sampler_ = p.sampler;
       capture->keep_scale_ = p.keep_scale;
     }
-    detail::run_attention(p, kernel_, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), device);
+    if (options.packed())
+      detail::run_packed(p, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device);
+    else
+      detail::run_attention(p, kernel_, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), device);
 
     fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
     if (capture != nullptr) {
@@ -817,10 +835,12 @@ class ScaledDotProductAttention {
       bp.d_bias = g.attention_bias.data();
       for (std::size_t i = 0; i < 4; ++i) bp.bias_dims[i] = g.attention_bias.dimension(i);
     }
-    detail::run_attention_backward(bp, kernel_, device);
+    if (options.packed())
+      detail::run_packed_backward(bp, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device);
+    else
+      detail::run_attention_backward(bp, kernel_, device);
     // The gradients of the rotated queries and keys, rotated back: those of the projections' outputs.
-    rotate(dq.data(), batch, nq * hq, nq, hq, h_, nk - nq, /*inverse=*/true);
-    rotate(dk.data(), batch, nk * kk, nk, kk, kv_heads_, 0, /*inverse=*/true);
+    rotate_projected(dq.data(), hq, dk.data(), kk, batch, nq, nk, options, /*inverse=*/true);
 
     d_att = detail::Buffer<Scalar>();  // scratch is released as soon as it is used up: peak memory
     g.queries = Tensor3(batch, nq, d_model_);
@@ -1030,6 +1050,9 @@ class ScaledDotProductAttention {
   // options, tensors' shapes, dropped entries.
   void check_decoding_options(const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Index nq, Index nk,
                               Index position, const char* where) const {
+    if (options.packed())
+      detail::throw_invalid(where, "cu_seqlens_q / cu_seqlens_k",
+                            "empty for a KVCache (its batch entries are the sequences; a PagedKVCache holds ragged ones)", "set");
     detail::check_attention_options(call_shape(where, cache.batch(), nq, nk), options, /*module_call=*/true);
     check_dropped(position - nk, position, options, nq, where);
   }
