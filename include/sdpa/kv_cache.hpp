@@ -290,55 +290,15 @@ class KVCache {
     float* scales = storage_ == Storage::kInt8 ? (values ? store_.value_scales : store_.key_scales).data() +
                                                      (b * capacity_ + at) * kv_heads_
                                                : nullptr;
-    for (Index r = 0; r < n; ++r) {
-      const Scalar* row = src + r * ld;
-      switch (storage_) {
-        case Storage::kBFloat16: {
-          auto* out = reinterpret_cast<BFloat16*>(dst) + r * width;
-          for (Index c = 0; c < width; ++c) out[c] = to_bfloat16(static_cast<float>(row[c]));
-          break;
-        }
-        case Storage::kFloat16: {
-          auto* out = reinterpret_cast<Float16*>(dst) + r * width;
-          for (Index c = 0; c < width; ++c) out[c] = to_float16(static_cast<float>(row[c]));
-          break;
-        }
-        case Storage::kInt8: {
-          if constexpr (std::is_same<Scalar, float>::value) {
-            auto* out = reinterpret_cast<std::int8_t*>(dst) + r * width;
-            for (Index g = 0; g < kv_heads_; ++g) scales[r * kv_heads_ + g] = quantize_int8(row + g * d, d, out + g * d);
-          }
-          break;
-        }
-        default:
-          std::copy_n(row, width, reinterpret_cast<Scalar*>(dst) + r * width);
-          break;
-      }
-    }
+    detail::store_rows(storage_, src, ld, n, kv_heads_, d, dst, scales);
   }
 
   Tensor3 held(bool values) const {
-    const Index width = kv_heads_ * (values ? d_v_ : d_k_);
+    const Index d = values ? d_v_ : d_k_, width = kv_heads_ * d;
     Tensor3 out(batch_, size_, width);
-    for (Index b = 0; b < batch_; ++b) {
-      Scalar* dst = out.data() + b * size_ * width;
-      const unsigned char* src = bytes_of(values ? store_.values : store_.keys, b, width);
-      const float* scales = scales_of(values ? store_.value_scales : store_.key_scales, b);
-      if (!narrow()) {
-        std::copy_n(reinterpret_cast<const Scalar*>(src), size_ * width, dst);
-        continue;
-      }
-      if constexpr (std::is_same<Scalar, float>::value) {
-        const Isa isa = Isa::kPortable;  // a copy for inspection: the scalar conversions, exactly
-        const Index span = values ? d_v_ : d_k_;
-        if (storage_ == Storage::kBFloat16)
-          simd::widen_rows(isa, reinterpret_cast<const BFloat16*>(src), width, size_, width, nullptr, Index{0}, width, dst, width);
-        else if (storage_ == Storage::kFloat16)
-          simd::widen_rows(isa, reinterpret_cast<const Float16*>(src), width, size_, width, nullptr, Index{0}, width, dst, width);
-        else
-          simd::widen_rows(isa, reinterpret_cast<const std::int8_t*>(src), width, size_, width, scales, kv_heads_, span, dst, width);
-      }
-    }
+    for (Index b = 0; b < batch_; ++b)
+      detail::load_rows(storage_, bytes_of(values ? store_.values : store_.keys, b, width), size_, kv_heads_, d,
+                        scales_of(values ? store_.value_scales : store_.key_scales, b), out.data() + b * size_ * width);
     return out;
   }
 

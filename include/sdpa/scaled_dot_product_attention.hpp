@@ -43,6 +43,8 @@ SDPA_NAMESPACE_BEGIN
 
 template <typename Scalar>
 class KVCache;  // sdpa/kv_cache.hpp
+template <typename Scalar>
+class PagedKVCache;  // sdpa/paged_kv_cache.hpp
 
 namespace detail {
 // A process-wide unique id per module object, so that backward can tell its own ForwardStates.
@@ -285,6 +287,26 @@ class ScaledDotProductAttention {
       const detail::InputView<Scalar> in(x);
       step_impl(in, cache, options, out.data(), out.dimensions());
     }
+  }
+
+  // A ragged batch of a PagedKVCache's sequences at once (continuous batching): x (n, t, d_model) holds t new
+  // tokens of each of the n sequences sequence_ids[i] (distinct), which are appended to their sequences and
+  // attend to them causally, each to its own entries only, as step on a KVCache of that sequence alone would
+  // (the same bits, on the vector paths, for t <= 16). Every tensor-free option applies (windows: whole blocks
+  // no later query can see are dropped); attention_mask, attention_weights, attention_bias, key_lengths,
+  // probabilities and packed sequences are refused. A step whose new entries need more blocks than the pool
+  // has free throws std::runtime_error; a refused step changes nothing. Returns (n, t, d_model).
+  template <typename X>
+  Tensor3 step(const X& x, PagedKVCache<Scalar>& cache, const std::vector<std::int64_t>& sequence_ids,
+               const AttentionOptions<Scalar>& options = {}) const {
+    SDPA_DETAIL_CHECK_INPUT(X, Scalar);
+    Tensor3 out;
+    if constexpr (detail::is_valid_input<X, Scalar>()) {
+      const detail::InputView<Scalar> in(x);
+      out = Tensor3(in.dims()[0], in.dims()[1], d_model_);
+      paged_step_impl(in, cache, sequence_ids, options, out.data());
+    }
+    return out;
   }
 
   void train(bool on = true) noexcept { training_ = on; }
@@ -1099,6 +1121,111 @@ class ScaledDotProductAttention {
       const Index droppable = cache.position() - options.window_left - cache.first_position();
       if (droppable > 0 && 2 * droppable >= cache.size()) cache.drop_front(droppable);
     }
+  }
+
+  // step on a PagedKVCache (see there).
+  void paged_step_impl(const View& x, PagedKVCache<Scalar>& cache, const std::vector<std::int64_t>& ids,
+                       const AttentionOptions<Scalar>& options, Scalar* out) const {
+    using Target = kernels::ProjectionTarget<Scalar>;
+    const char* where = "ScaledDotProductAttention::step (PagedKVCache)";
+    if (cache.d_model() != d_model_ || cache.kv_heads() != kv_heads_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
+      detail::throw_invalid(where, "cache",
+                            detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_, ", d_v ", d_v_),
+                            detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ",
+                                           cache.d_k(), ", d_v ", cache.d_v()));
+    if (is_narrow<Scalar>(cache.storage()) && kernel_ == Kernel::kReference)
+      detail::throw_invalid(where, "the module's kernel (set_kernel)",
+                            detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage())), "kReference");
+    const Index n_seq = static_cast<Index>(ids.size());
+    check_decoding_input(x, "x", n_seq, where);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (!cache.contains(ids[i]))
+        detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), "the id of a sequence of the cache", ids[i]);
+      for (std::size_t j = 0; j < i; ++j)
+        if (ids[j] == ids[i])
+          detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), detail::concat("distinct from sequence_ids[", j, "]"),
+                                ids[i]);
+    }
+    const char* unsupported = options.attention_mask != nullptr      ? "attention_mask"
+                              : options.attention_weights != nullptr ? "attention_weights"
+                              : options.attention_bias != nullptr    ? "attention_bias"
+                              : !options.key_lengths.empty()         ? "key_lengths"
+                              : options.probabilities != nullptr     ? "probabilities"
+                              : options.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
+                                                                     : nullptr;
+    if (unsupported != nullptr)
+      detail::throw_invalid(where, unsupported, "unset for a PagedKVCache step (its sequences are ragged)", "set");
+    const Index t = x.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_, ha = h_ * d_v_;
+    // The keys of the step's longest sequence, after the append.
+    Index nk = 0;
+    for (std::int64_t id : ids) nk = std::max(nk, cache.size(id) + t);
+    detail::check_attention_options(call_shape(where, n_seq, t, nk), options, /*module_call=*/true);
+    for (std::int64_t id : ids) check_dropped(cache.first_position(id), cache.position(id) + t, options, t, where);
+    if (n_seq * t == 0) return;
+    // Room for the new entries (refused before anything changes).
+    cache.make_room(ids, t, where);
+
+    // Queries, keys and values of every new token: few-row projections (each weight row read once for all
+    // rows, and the bits a single sequence's step gets) for up to 16 tokens per sequence.
+    const Index rows = n_seq * t;
+    Scalar* q = cache.q_scratch_.reset_at_least(static_cast<std::size_t>(rows * hq));
+    Scalar* sk = cache.stage_.reset_at_least(static_cast<std::size_t>(rows * (hk + hv)));
+    Scalar* sv = sk + rows * hk;
+    const Target targets[3] = {fc_q_.target(q, hq), fc_k_.target(sk, hk), fc_v_.target(sv, hv)};
+    if (t <= 16)
+      kernels::project_few_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
+    else
+      kernels::project_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
+    // Each sequence's new rows at its own positions, then into its blocks.
+    std::vector<const Index*> tables(static_cast<std::size_t>(n_seq));
+    std::vector<Index> lengths(static_cast<std::size_t>(n_seq)), offsets(static_cast<std::size_t>(n_seq));
+    for (Index i = 0; i < n_seq; ++i) {
+      typename PagedKVCache<Scalar>::Sequence& s = cache.find(where, ids[static_cast<std::size_t>(i)]);
+      rotate(sk + i * t * hk, 1, 0, t, hk, kv_heads_, s.position);
+      rotate(q + i * t * hq, 1, 0, t, hq, h_, s.position);
+      cache.put_rows(s, false, s.size, sk + i * t * hk, hk, t);
+      cache.put_rows(s, true, s.size, sv + i * t * hv, hv, t);
+      s.size += t;
+      s.position += t;
+      tables[static_cast<std::size_t>(i)] = s.blocks.data();
+      lengths[static_cast<std::size_t>(i)] = s.size;
+      offsets[static_cast<std::size_t>(i)] = s.size - t;
+    }
+
+    // The attention of each sequence's queries to its own entries: batch entry i is sequence ids[i], its keys
+    // found through its block table, hidden past its length, its queries at its last positions.
+    AttentionOptions<Scalar> own = options;
+    own.key_lengths = lengths;
+    kernels::AttentionProblem<Scalar> p = detail::problem_of(call_shape(where, n_seq, t, nk), own, masked_rows_, true, 0);
+    p.query_offsets = offsets.data();
+    p.q = {q, t * hq, hq, d_k_};
+    p.block_tables = tables.data();
+    p.block_rows = cache.block_size();
+    if (is_narrow<Scalar>(cache.storage())) {
+      p.k = {nullptr, 0, hk, d_k_};
+      p.v = {nullptr, 0, hv, d_v_};
+      p.kv_storage = cache.storage();
+      p.k_stored = cache.keys_.data();
+      p.v_stored = cache.values_.data();
+      p.k_scales = cache.storage() == Storage::kInt8 ? cache.key_scales_.data() : nullptr;
+      p.v_scales = cache.storage() == Storage::kInt8 ? cache.value_scales_.data() : nullptr;
+      p.scale_batch_stride = 0;
+    } else {
+      p.k = {reinterpret_cast<const Scalar*>(cache.keys_.data()), 0, hk, d_k_};
+      p.v = {reinterpret_cast<const Scalar*>(cache.values_.data()), 0, hv, d_v_};
+    }
+    Scalar* att = cache.att_scratch_.reset_at_least(static_cast<std::size_t>(rows * ha));
+    p.out = {att, t * ha, ha, d_v_};
+    draw_dropout(p);
+    detail::run_attention(p, kernel_, &cache.decode_, options.device);
+    if (t <= 16) {
+      const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
+      kernels::project_few_rows<Scalar>(att, rows, ha, ha, &to, 1, options.device);
+    } else {
+      fc_o_.forward_rows(att, rows, ha, out, d_model_, options.device);
+    }
+    if (options.window_left >= 0)
+      for (std::int64_t id : ids) cache.drop_before(cache.find(where, id), options.window_left);
   }
 
   Index d_model_, d_k_, d_v_, h_, kv_heads_;

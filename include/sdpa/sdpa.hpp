@@ -14,6 +14,7 @@
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/options.hpp"
+#include "sdpa/paged_kv_cache.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"
 #include "sdpa/rotary.hpp"

@@ -185,4 +185,70 @@ inline float quantize_int8(const float* x, std::ptrdiff_t n, std::int8_t* q) noe
   return scale;
 }
 
+namespace detail {
+// n rows of heads * d Scalar values (row stride ld) into rows of `storage` at dst (heads * d elements each,
+// contiguous), rounded (bfloat16, float16) or quantised per head (int8: one scale per row and head at
+// scales[row * heads + head]); Scalar itself (kFloat32 / kFloat64) is copied. What a cache does to entries
+// it receives.
+template <typename Scalar>
+void store_rows(Storage storage, const Scalar* src, std::ptrdiff_t ld, std::ptrdiff_t n, std::ptrdiff_t heads,
+                std::ptrdiff_t d, unsigned char* dst, float* scales) noexcept {
+  const std::ptrdiff_t width = heads * d;
+  for (std::ptrdiff_t r = 0; r < n; ++r) {
+    const Scalar* row = src + r * ld;
+    switch (storage) {
+      case Storage::kBFloat16: {
+        auto* out = reinterpret_cast<BFloat16*>(dst) + r * width;
+        for (std::ptrdiff_t c = 0; c < width; ++c) out[c] = to_bfloat16(static_cast<float>(row[c]));
+        break;
+      }
+      case Storage::kFloat16: {
+        auto* out = reinterpret_cast<Float16*>(dst) + r * width;
+        for (std::ptrdiff_t c = 0; c < width; ++c) out[c] = to_float16(static_cast<float>(row[c]));
+        break;
+      }
+      case Storage::kInt8: {
+        if constexpr (std::is_same<Scalar, float>::value) {
+          auto* out = reinterpret_cast<std::int8_t*>(dst) + r * width;
+          for (std::ptrdiff_t g = 0; g < heads; ++g) scales[r * heads + g] = quantize_int8(row + g * d, d, out + g * d);
+        }
+        break;
+      }
+      default: {
+        auto* out = reinterpret_cast<Scalar*>(dst) + r * width;
+        for (std::ptrdiff_t c = 0; c < width; ++c) out[c] = row[c];
+        break;
+      }
+    }
+  }
+}
+
+// The inverse: n stored rows back to Scalar, exactly (int8: scale * q).
+template <typename Scalar>
+void load_rows(Storage storage, const unsigned char* src, std::ptrdiff_t n, std::ptrdiff_t heads, std::ptrdiff_t d,
+               const float* scales, Scalar* dst) noexcept {
+  const std::ptrdiff_t width = heads * d;
+  for (std::ptrdiff_t r = 0; r < n; ++r)
+    for (std::ptrdiff_t c = 0; c < width; ++c) {
+      const std::ptrdiff_t i = r * width + c;
+      Scalar x;
+      switch (storage) {
+        case Storage::kBFloat16:
+          x = static_cast<Scalar>(to_float(reinterpret_cast<const BFloat16*>(src)[i]));
+          break;
+        case Storage::kFloat16:
+          x = static_cast<Scalar>(to_float(reinterpret_cast<const Float16*>(src)[i]));
+          break;
+        case Storage::kInt8:
+          x = static_cast<Scalar>(static_cast<float>(reinterpret_cast<const std::int8_t*>(src)[i]) * scales[r * heads + c / d]);
+          break;
+        default:
+          x = reinterpret_cast<const Scalar*>(src)[i];
+          break;
+      }
+      dst[i] = x;
+    }
+}
+}  // namespace detail
+
 SDPA_NAMESPACE_END

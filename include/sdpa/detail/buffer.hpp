@@ -88,6 +88,12 @@ class Buffer {
   // The first `count` elements of the storage this buffer already holds, without allocating; count at
   // most capacity() (what the last reset allocated). The contents are kept.
   void shrink_to(std::size_t count) noexcept { size_ = count <= capacity_ ? count : capacity_; }
+  // Scratch of at least `count` elements: the storage held, or new storage (contents not kept) when it is
+  // smaller.
+  Scalar* reset_at_least(std::size_t count) {
+    if (size_ < count) reset(count);
+    return data_;
+  }
   std::size_t capacity() const noexcept { return capacity_; }
 
   Scalar* data() noexcept { return data_; }

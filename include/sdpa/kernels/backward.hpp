@@ -494,7 +494,7 @@ void reference_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPo
             y[sj] = x;
             if (p.softcap > Scalar(0)) x = p.softcap * std::tanh(x / p.softcap);
             if (p.bias) x += p.bias(b, h, i, j);
-            if (p.alibi != nullptr) x -= p.alibi[h] * static_cast<Scalar>(std::abs(p.position(i) - j));
+            if (p.alibi != nullptr) x -= p.alibi[h] * static_cast<Scalar>(std::abs(p.position(b, i) - j));
             s[sj] = x;
             if (x > max || std::isnan(x)) max = std::isnan(max) ? max : x;
           }

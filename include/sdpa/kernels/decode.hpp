@@ -34,6 +34,9 @@ namespace kernels {
 // Keys per work item: long enough that an item's per-row overhead is small against streaming its keys,
 // short enough that a cache of a few thousand keys gives every thread several items.
 constexpr Eigen::Index kDecodeChunk = 256;
+// Key and value rows per block of pass 3's products (a paged cache's blocks are multiples of it, so that no
+// block of them crosses one of the cache's).
+constexpr Eigen::Index kDecodeRows = 16;
 
 // The decoding kernel's scratch, grown on demand and kept between calls. Cache-line aligned, so that how
 // Eigen splits a segment into packets (hence the rounding of exp and sums) depends on offsets only, never on
@@ -106,7 +109,7 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
     std::uint32_t* bits = ws.bits.data() + slot * (kDecodeChunk + 8);
     Segment* segs = ws.segments.data() + slot * rows;
     using Vec = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
-    constexpr Index kRows = 16;
+    constexpr Index kRows = kDecodeRows;
     for (Index item = i0; item < i1; ++item) {
       const Index b = item / chunks, c = item % chunks;
       const Index k0 = c * kDecodeChunk, n = std::min(kDecodeChunk, p.nk - k0);
@@ -126,47 +129,65 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
       // a row holds every key/value head, so the chunk's keys are streamed from memory once and in order (a
       // group of query heads reads its key head's block while it is in L1). Stored keys are widened in
       // registers as they are loaded.
-      if (p.stored()) {
-        stored_chunk_scores(p, b, 0, k0, n, p.q.row(b, 0, 0), p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq,
-                            scores, kDecodeChunk);
-      } else {
-        simd::chunk_scores(p.isa, p.k.row(b, 0, k0), p.k.row_stride, p.k.head_stride, n, p.q.row(b, 0, 0),
-                           p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k, p.scale, scores,
-                           kDecodeChunk);
+      // Only the keys some row sees, [lo, hi) of the chunk (pass 2 makes the others -inf; a paged batch
+      // entry's table ends at its length); paged keys a block's run at a time. A score does not depend on the
+      // run its key is in.
+      Index lo = n, hi = 0;
+      for (Index r = 0; r < rows; ++r)
+        if (!segs[r].none()) {
+          lo = std::min(lo, segs[r].lo);
+          hi = std::max(hi, segs[r].hi);
+        }
+      for (Index j = lo; j < hi;) {
+        const Index run = p.run_of(k0 + j, hi - j);
+        if (p.stored()) {
+          stored_chunk_scores(p, b, 0, k0 + j, run, p.q.row(b, 0, 0), p.q.head_stride, p.q.row_stride, p.heads, p.kv_group,
+                              p.nq, scores + j, kDecodeChunk);
+        } else {
+          simd::chunk_scores(p.isa, p.key_row(b, 0, k0 + j), p.k.row_stride, p.k.head_stride, run, p.q.row(b, 0, 0),
+                             p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k, p.scale, scores + j,
+                             kDecodeChunk);
+        }
+        j += run;
       }
-      // Pass 2: per row, the score pipeline, the softmax fold and dropout.
+      // Pass 2: per row, the score pipeline, the softmax fold and dropout, over the batch entry's own keys of
+      // the chunk (those before its key length): then a sequence of a ragged or padded batch is folded as it
+      // is alone, in the same vector lanes, and gets the same bits.
+      const Index nb = p.key_lengths != nullptr ? std::clamp<Index>(p.key_lengths[b] - k0, 0, n) : n;
       for (Index h = 0; h < p.heads; ++h)
         for (Index q = 0; q < p.nq; ++q) {
           const Index r = h * p.nq + q;
           if (segs[r].none()) continue;
           Scalar* s = scores + r * kDecodeChunk;
           SoftmaxRow<Scalar>& st = ws.states[static_cast<std::size_t>((item * p.heads + h) * p.nq + q)];
-          pipeline.apply_segment(s, n, b, h, q, k0, segs[r]);
+          pipeline.apply_segment(s, nb, b, h, q, k0, segs[r]);
           st.seen = true;
-          st.fold(p.isa, s, n);  // a fresh state: the factor is 1
+          st.fold(p.isa, s, nb);  // a fresh state: the factor is 1
           if (p.dropout) {
-            const Index k4 = k0 >> 2, blocks = ((k0 + n + 3) >> 2) - k4;
+            const Index k4 = k0 >> 2, blocks = ((k0 + nb + 3) >> 2) - k4;
             p.sampler.fill_bits(p.isa, b * p.heads + h, q, k4, blocks, bits);
             const std::uint32_t* w = bits + (k0 - 4 * k4);
-            for (Index j = 0; j < n; ++j) s[j] = p.sampler.dropped_bits(w[j]) ? Scalar(0) : s[j] * p.keep_scale;
+            for (Index j = 0; j < nb; ++j) s[j] = p.sampler.dropped_bits(w[j]) ? Scalar(0) : s[j] * p.keep_scale;
           }
         }
       if (p.dropout && p.keep_scale == Scalar(0)) continue;  // p = 1: nothing reaches the output
-      // Pass 3: acc += p v over each row's visible keys, the value rows taken in blocks as in pass 1. A hidden
-      // key adds nothing, not even a NaN in its value: a row's product covers its visible segment only, and
-      // a mask's holes inside it go one key at a time.
+      // Pass 3: acc += p v over each row's visible keys, the value rows taken in blocks of kRows (inside one
+      // block of a paged cache, whose blocks are multiples of kRows rows). A hidden key adds nothing, not even
+      // a NaN in its value: a row's product covers its visible segment only, and a mask's holes inside it go
+      // one key at a time.
       // (No software prefetch of the next block's value rows: the hardware streams them, and on the Sapphire
       // Rapids machine the prefetches only slowed the step down; bench/RESULTS.md.)
       for (Index j0 = 0; j0 < n; j0 += kRows) {
         const Index m = std::min(kRows, n - j0);
         for (Index h = 0; h < p.heads; ++h) {
-          // (Stored values are read through stored_add_weighted_rows; vb is not formed for them.)
-          const Scalar* vb = p.stored() ? nullptr : p.value_row(b, h, k0 + j0);
           for (Index q = 0; q < p.nq; ++q) {
             const Index r = h * p.nq + q;
             const Segment& seg = segs[r];
             const Index lo = std::max(seg.lo, j0), hi = std::min(seg.hi, j0 + m);
             if (lo >= hi) continue;
+            // The block's value rows (inside one block of a paged cache; stored values are read through
+            // stored_add_weighted_rows instead).
+            const Scalar* vb = p.stored() ? nullptr : p.value_row(b, h, k0 + j0);
             Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> av(ws.acc.data() + ((item * p.heads + h) * p.nq + q) * p.d_v, p.d_v);
             const Scalar* pr = scores + r * kDecodeChunk;
             if (p.stored()) {
@@ -221,12 +242,18 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
         for (Index k0 = range.lo / kDecodeChunk * kDecodeChunk; k0 < range.hi; k0 += kDecodeChunk) {
           const Index n = std::min(kDecodeChunk, p.nk - k0);
           Scalar* x = out + k0;
-          if (p.stored())
-            stored_chunk_scores(p, b, h / p.kv_group, k0, n, p.q.row(b, h, q), Index{0}, Index{0}, Index{1}, Index{1}, Index{1},
-                                x, kDecodeChunk);
-          else
-            simd::chunk_scores(p.isa, p.key_row(b, h, k0), p.k.row_stride, Index{0}, n, p.q.row(b, h, q), Index{0}, Index{0},
-                               Index{1}, Index{1}, Index{1}, p.d_k, p.scale, x, kDecodeChunk);
+          // The row's keys only (apply hides the rest).
+          const Index lo = std::max<Index>(range.lo - k0, 0), hi = std::min(range.hi - k0, n);
+          for (Index j = lo; j < hi;) {
+            const Index run = p.run_of(k0 + j, hi - j);
+            if (p.stored())
+              stored_chunk_scores(p, b, h / p.kv_group, k0 + j, run, p.q.row(b, h, q), Index{0}, Index{0}, Index{1},
+                                  Index{1}, Index{1}, x + j, kDecodeChunk);
+            else
+              simd::chunk_scores(p.isa, p.key_row(b, h, k0 + j), p.k.row_stride, Index{0}, run, p.q.row(b, h, q), Index{0},
+                                 Index{0}, Index{1}, Index{1}, Index{1}, p.d_k, p.scale, x + j, kDecodeChunk);
+            j += run;
+          }
           pipeline.apply(x, n, b, h, q, k0, range);
           simd::exp_shifted_sum(p.isa, x, n, lse);
         }

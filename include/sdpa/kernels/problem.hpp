@@ -16,6 +16,8 @@
 #include "sdpa/random.hpp"
 #include "sdpa/storage.hpp"
 
+#include <algorithm>
+
 SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
@@ -77,6 +79,7 @@ struct AttentionProblem {
   Index window_left = -1, window_right = -1;
   const Index* key_lengths = nullptr;  // one per batch entry, or none
   Index query_offset = 0;
+  const Index* query_offsets = nullptr;  // one per batch entry instead (a ragged batch of cached sequences)
   MaskedRows masked_rows = MaskedRows::kZero;
 
   bool dropout = false;            // training mode with p > 0
@@ -89,9 +92,24 @@ struct AttentionProblem {
   Scalar* probabilities = nullptr;
   Scalar* lse = nullptr;
 
-  Index position(Index query) const noexcept { return query + query_offset; }
-  const Scalar* key_row(Index b, Index h, Index i) const noexcept { return k.row(b, h / kv_group, i); }
-  const Scalar* value_row(Index b, Index h, Index i) const noexcept { return v.row(b, h / kv_group, i); }
+  // Keys and values in blocks of block_rows rows (a PagedKVCache): key row i of batch entry b is row
+  // block_tables[b][i / block_rows] * block_rows + i % block_rows of k (and of v, and of the int8 scales), whose
+  // batch_stride (and scale_batch_stride) is 0. A run of rows inside one block is contiguous.
+  const Index* const* block_tables = nullptr;
+  Index block_rows = 0;
+
+  bool paged() const noexcept { return block_tables != nullptr; }
+  Index row_of(Index b, Index i) const noexcept {
+    return block_tables != nullptr ? block_tables[b][i / block_rows] * block_rows + i % block_rows : i;
+  }
+  // How many rows from row i of batch entry b on (at most n) lie in one block.
+  Index run_of(Index i, Index n) const noexcept {
+    return block_tables != nullptr ? std::min(n, block_rows - i % block_rows) : n;
+  }
+  Index offset(Index b) const noexcept { return query_offsets != nullptr ? query_offsets[b] : query_offset; }
+  Index position(Index b, Index query) const noexcept { return query + offset(b); }
+  const Scalar* key_row(Index b, Index h, Index i) const noexcept { return k.row(b, h / kv_group, row_of(b, i)); }
+  const Scalar* value_row(Index b, Index h, Index i) const noexcept { return v.row(b, h / kv_group, row_of(b, i)); }
   Index kv_heads() const noexcept { return heads / kv_group; }
   bool stored() const noexcept { return kv_storage != native_storage<Scalar>(); }
 };

@@ -22,7 +22,7 @@ namespace kernels {
 template <typename Scalar>
 bool reference_hidden(const AttentionProblem<Scalar>& p, Eigen::Index b, Eigen::Index h, Eigen::Index q,
                       Eigen::Index k) noexcept {
-  const Eigen::Index pos = p.position(q);
+  const Eigen::Index pos = p.position(b, q);
   if (p.mask && p.mask(b, h, q, k)) return true;
   if (p.causal && k > pos) return true;
   if (p.window_left >= 0 && k < pos - p.window_left) return true;
@@ -65,7 +65,7 @@ void reference_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadP
           if (p.weights) x *= p.weights(b, h, i, j);
           if (p.softcap > Scalar(0)) x = p.softcap * std::tanh(x / p.softcap);
           if (p.bias) x += p.bias(b, h, i, j);
-          if (p.alibi != nullptr) x -= p.alibi[h] * static_cast<Scalar>(std::abs(p.position(i) - j));
+          if (p.alibi != nullptr) x -= p.alibi[h] * static_cast<Scalar>(std::abs(p.position(b, i) - j));
           s[sj] = x;
           if (x > row.max || std::isnan(x)) row.max = std::isnan(row.max) ? row.max : x;
         }

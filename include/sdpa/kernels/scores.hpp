@@ -78,7 +78,7 @@ class ScorePipeline {
     if (p_.softcap > Scalar(0)) simd::softcap(p_.isa, y, m, p_.softcap);
     if (p_.bias)
       detail::apply_broadcast_row(y, m, p_.bias, b, h, q, kbegin, /*multiply=*/false);
-    if (p_.alibi != nullptr) add_alibi(y, m, p_.alibi[h], p_.position(q) - kbegin);
+    if (p_.alibi != nullptr) add_alibi(y, m, p_.alibi[h], p_.position(b, q) - kbegin);
     if (!seg.solid) {
       // Holes in the mask inside the range: the mask decides each key.
       const BroadcastView<bool>& mask = p_.mask;

@@ -1,7 +1,7 @@
 // Keys and values stored narrower than the compute type (AttentionProblem::stored(): a KVCache of bfloat16,
 // float16 or int8 entries) read by the float kernels: the decoding kernel's row products widen them in
 // registers as they load them (stored_chunk_scores, stored_add_weighted_rows), the tiled kernel widens each
-// key block of a head before it packs it (widen_kv). Nothing widens a whole cache, and every path computes
+// key block of a head before it packs it (gather_kv, which also gathers a paged cache's blocks). Nothing widens a whole cache, and every path computes
 // with the same widened values (int8: scale * q, rounded once), so the results are those of a float cache
 // holding them.
 #pragma once
@@ -10,6 +10,7 @@
 
 #include "sdpa/detail/eigen.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -21,50 +22,61 @@ SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
 // Rows i0 .. i0 + rows - 1 of `heads` consecutive key (values: value) heads from g0 of batch entry b, as
-// Scalar, into dst with row stride ldd: row r holds the heads side by side (heads * d values). p must be
-// stored(), which only a float problem can be.
+// Scalar, into dst with row stride ldd: row r holds the heads side by side (heads * d values). Stored
+// entries are widened, Scalar ones copied; paged rows are found block by block (a run of rows inside one
+// block is contiguous). For the tiled kernel, which packs a key block from contiguous rows.
 template <typename Scalar>
-void widen_kv(const AttentionProblem<Scalar>& p, bool values, Eigen::Index b, Eigen::Index g0, Eigen::Index heads,
-              Eigen::Index i0, Eigen::Index rows, Scalar* dst, Eigen::Index ldd) noexcept {
+void gather_kv(const AttentionProblem<Scalar>& p, bool values, Eigen::Index b, Eigen::Index g0, Eigen::Index heads,
+               Eigen::Index i0, Eigen::Index rows, Scalar* dst, Eigen::Index ldd) noexcept {
   using Index = Eigen::Index;
-  if constexpr (std::is_same<Scalar, float>::value) {
-    const Heads<const Scalar>& hd = values ? p.v : p.k;
-    const Index d = values ? p.d_v : p.d_k;
-    const Index offset = b * hd.batch_stride + i0 * hd.row_stride + g0 * hd.head_stride;
-    const float* scales = values ? p.v_scales : p.k_scales;
-    if (scales != nullptr) scales += b * p.scale_batch_stride + i0 * p.kv_heads() + g0;
-    const void* base = values ? p.v_stored : p.k_stored;
-    switch (p.kv_storage) {
-      case Storage::kBFloat16:
-        simd::widen_rows(p.isa, static_cast<const BFloat16*>(base) + offset, hd.row_stride, rows, heads * d, nullptr,
-                         Index{0}, heads * d, dst, ldd);
-        break;
-      case Storage::kFloat16:
-        simd::widen_rows(p.isa, static_cast<const Float16*>(base) + offset, hd.row_stride, rows, heads * d, nullptr,
-                         Index{0}, heads * d, dst, ldd);
-        break;
-      case Storage::kInt8:
-        simd::widen_rows(p.isa, static_cast<const std::int8_t*>(base) + offset, hd.row_stride, rows, heads * d, scales,
-                         p.kv_heads(), d, dst, ldd);
-        break;
-      default:
-        break;
+  const Heads<const Scalar>& hd = values ? p.v : p.k;
+  const Index d = values ? p.d_v : p.d_k;
+  for (Index i = i0; i < i0 + rows;) {
+    const Index run = p.run_of(i, i0 + rows - i), row = p.row_of(b, i);
+    Scalar* out = dst + (i - i0) * ldd;
+    if (!p.stored()) {
+      for (Index r = 0; r < run; ++r)
+        for (Index g = 0; g < heads; ++g) std::copy_n(hd.row(b, g0 + g, row + r), d, out + r * ldd + g * d);
+      i += run;
+      continue;
     }
-  } else {
-    (void)p, (void)values, (void)b, (void)g0, (void)heads, (void)i0, (void)rows, (void)dst, (void)ldd;
+    if constexpr (std::is_same<Scalar, float>::value) {
+      const Index offset = b * hd.batch_stride + row * hd.row_stride + g0 * hd.head_stride;
+      const float* scales = values ? p.v_scales : p.k_scales;
+      if (scales != nullptr) scales += b * p.scale_batch_stride + row * p.kv_heads() + g0;
+      const void* base = values ? p.v_stored : p.k_stored;
+      switch (p.kv_storage) {
+        case Storage::kBFloat16:
+          simd::widen_rows(p.isa, static_cast<const BFloat16*>(base) + offset, hd.row_stride, run, heads * d, nullptr,
+                           Index{0}, heads * d, out, ldd);
+          break;
+        case Storage::kFloat16:
+          simd::widen_rows(p.isa, static_cast<const Float16*>(base) + offset, hd.row_stride, run, heads * d, nullptr,
+                           Index{0}, heads * d, out, ldd);
+          break;
+        case Storage::kInt8:
+          simd::widen_rows(p.isa, static_cast<const std::int8_t*>(base) + offset, hd.row_stride, run, heads * d, scales,
+                           p.kv_heads(), d, out, ldd);
+          break;
+        default:
+          break;
+      }
+    }
+    i += run;
   }
 }
 
-// simd::chunk_scores for the stored keys of batch entry b, rows i0 .. i0 + n - 1: query heads h < heads read key
-// head g0 + h / group (the queries and the output as chunk_scores takes them).
+// simd::chunk_scores for the stored keys of batch entry b, rows i0 .. i0 + n - 1 (inside one block when paged):
+// query heads h < heads read key head g0 + h / group (the queries and the output as chunk_scores takes them).
 template <typename Scalar>
 void stored_chunk_scores(const AttentionProblem<Scalar>& p, Eigen::Index b, Eigen::Index g0, Eigen::Index i0,
                          Eigen::Index n, const Scalar* q, Eigen::Index q_head, Eigen::Index q_row, Eigen::Index heads,
                          Eigen::Index group, Eigen::Index nq, Scalar* s, Eigen::Index lds) noexcept {
   using Index = Eigen::Index;
   if constexpr (std::is_same<Scalar, float>::value) {
-    const Index offset = b * p.k.batch_stride + i0 * p.k.row_stride + g0 * p.k.head_stride;
-    const float* scales = p.k_scales != nullptr ? p.k_scales + b * p.scale_batch_stride + i0 * p.kv_heads() + g0 : nullptr;
+    const Index row = p.row_of(b, i0);
+    const Index offset = b * p.k.batch_stride + row * p.k.row_stride + g0 * p.k.head_stride;
+    const float* scales = p.k_scales != nullptr ? p.k_scales + b * p.scale_batch_stride + row * p.kv_heads() + g0 : nullptr;
     const auto run = [&](const auto* k) {
       simd::chunk_scores_stored(p.isa, k + offset, p.k.row_stride, p.k.head_stride, n, scales, p.kv_heads(), q, q_head, q_row,
                                 heads, group, nq, p.d_k, p.scale, s, lds);
@@ -78,15 +90,16 @@ void stored_chunk_scores(const AttentionProblem<Scalar>& p, Eigen::Index b, Eige
   }
 }
 
-// simd::add_weighted_rows for the stored values of value head g of batch entry b, rows i0 .. i0 + m - 1:
-// acc[0, d_v) += sum over j of w[j] * value row i0 + j.
+// simd::add_weighted_rows for the stored values of value head g of batch entry b, rows i0 .. i0 + m - 1
+// (inside one block when paged): acc[0, d_v) += sum over j of w[j] * value row i0 + j.
 template <typename Scalar>
 void stored_add_weighted_rows(const AttentionProblem<Scalar>& p, Scalar* acc, const Scalar* w, Eigen::Index b,
                               Eigen::Index g, Eigen::Index i0, Eigen::Index m) noexcept {
   using Index = Eigen::Index;
   if constexpr (std::is_same<Scalar, float>::value) {
-    const Index offset = b * p.v.batch_stride + i0 * p.v.row_stride + g * p.v.head_stride;
-    const float* scales = p.v_scales != nullptr ? p.v_scales + b * p.scale_batch_stride + i0 * p.kv_heads() + g : nullptr;
+    const Index row = p.row_of(b, i0);
+    const Index offset = b * p.v.batch_stride + row * p.v.row_stride + g * p.v.head_stride;
+    const float* scales = p.v_scales != nullptr ? p.v_scales + b * p.scale_batch_stride + row * p.kv_heads() + g : nullptr;
     const auto run = [&](const auto* v) {
       simd::add_weighted_rows_stored(p.isa, acc, p.d_v, w, v + offset, p.v.row_stride, scales, p.kv_heads(), m);
     };

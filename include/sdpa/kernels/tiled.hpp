@@ -83,8 +83,8 @@ class TileScorer {
         ranges_(static_cast<std::size_t>(c.group * c.block_q)),
         segments_(static_cast<std::size_t>(c.block_q)),
         products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, c.pack_operands),
-        k_wide_(p_.stored() ? static_cast<std::size_t>(c.block_k * p_.d_k) : 0),
-        v_wide_(p_.stored() ? static_cast<std::size_t>(c.block_k * p_.d_v) : 0) {}
+        k_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_k) : 0),
+        v_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_v) : 0) {}
 
   // Calls visit(tile) for every tile of (b, h) and the group rows q0 .. q0 + rows - 1 that some row sees,
   // key blocks in order (restricted to keys [key_lo, key_hi), which must start at a multiple of the key
@@ -113,11 +113,16 @@ class TileScorer {
     t.segments = segments_.data();
     for (Index k0 = lo / bk_ * bk_; k0 < hi; k0 += bk_) {
       const Index cols = std::min(bk_, p_.nk - k0);
-      if (p_.stored()) {
-        // Stored keys and values: the block of this head widened once, then packed like any other.
+      if (gathered()) {
+        // Stored or paged keys and values: the block of this head widened or gathered once, then packed like
+        // any other.
+        // A paged batch entry's table ends at its length: the block's rows past it are zeros (hidden keys).
         const Index g = h / p_.kv_group;
-        widen_kv(p_, /*values=*/false, b, g, Index{1}, k0, cols, k_wide_.data(), p_.d_k);
-        widen_kv(p_, /*values=*/true, b, g, Index{1}, k0, cols, v_wide_.data(), p_.d_v);
+        const Index held = p_.paged() && p_.key_lengths != nullptr ? std::clamp<Index>(p_.key_lengths[b] - k0, 0, cols) : cols;
+        gather_kv(p_, /*values=*/false, b, g, Index{1}, k0, held, k_wide_.data(), p_.d_k);
+        gather_kv(p_, /*values=*/true, b, g, Index{1}, k0, held, v_wide_.data(), p_.d_v);
+        std::fill(k_wide_.data() + held * p_.d_k, k_wide_.data() + cols * p_.d_k, Scalar(0));
+        std::fill(v_wide_.data() + held * p_.d_v, v_wide_.data() + cols * p_.d_v, Scalar(0));
         wide_k0_ = k0;
         products_.set_keys(k_wide_.data(), p_.d_k, v_wide_.data(), p_.d_v, cols);
       } else {
@@ -149,11 +154,12 @@ class TileScorer {
   TileProducts<Scalar>& products() noexcept { return products_; }
   const TileStats& stats() const noexcept { return stats_; }
 
-  // The value row of key k for (b, h), inside the key block a visitor is being handed: widened when the
-  // problem's values are stored.
+  // The value row of key k for (b, h), inside the key block a visitor is being handed: widened or gathered
+  // when the problem's values are stored or paged.
   const Scalar* value_row(Index b, Index h, Index k) const noexcept {
-    return p_.stored() ? v_wide_.data() + (k - wide_k0_) * p_.d_v : p_.value_row(b, h, k);
+    return gathered() ? v_wide_.data() + (k - wide_k0_) * p_.d_v : p_.value_row(b, h, k);
   }
+  bool gathered() const noexcept { return p_.stored() || p_.paged(); }
 
  private:
   static constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
@@ -198,7 +204,7 @@ class TileScorer {
   std::vector<Segment> segments_;  // per tile row of the current tile
   TileProducts<Scalar> products_;
   TileStats stats_;
-  std::vector<Scalar> k_wide_, v_wide_;  // a stored problem's current key block, widened (block_k x d)
+  std::vector<Scalar> k_wide_, v_wide_;  // a stored or paged problem's current key block, gathered (block_k x d)
   Index wide_k0_ = 0;
 };
 
