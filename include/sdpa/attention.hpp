@@ -736,7 +736,6 @@ constexpr bool is_valid_varlen_tensor() {
 template <typename Scalar>
 Tensor3<Scalar> attention_varlen_impl(const InputView<Scalar>& q, const InputView<Scalar>& k, const InputView<Scalar>& v,
                                       const AttentionOptions<Scalar>& options, AttentionState<Scalar>* state) {
-  using Index = Eigen::Index;
   const char* where = "attention_varlen";
   if (!options.packed())
     throw_invalid(where, "cu_seqlens_q and cu_seqlens_k", "the sequences' row boundaries", "empty");

@@ -98,6 +98,29 @@ int exercise() {
 #endif
   }
 
+  // Serving: packed sequences (the module and attention_varlen), a paged cache stepped as a ragged batch.
+  sdpa::AttentionOptions<Scalar> packed;
+  packed.causal = true;
+  packed.cu_seqlens_q = packed.cu_seqlens_k = {0, 3, 3, 9};
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> one(1, 9, 32);
+  one.setRandom();
+  auto y_packed = gqa(one, one, one, packed);
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> q3(9, 4, 8), k3(9, 2, 8), v3(9, 2, 8);
+  q3.setRandom();
+  k3.setRandom();
+  v3.setRandom();
+  sdpa::AttentionState<Scalar> varlen_state;
+  const auto o3 = sdpa::attention_varlen(q3, k3, v3, packed, varlen_state);
+  const auto g3 = sdpa::attention_varlen_backward(o3, varlen_state);
+  sdpa::PagedKVCache<Scalar> paged(gqa, 16, 8);
+  const auto first = paged.add_sequence(), second = paged.add_sequence();
+  (void)gqa.step(token, paged, {first, second});
+  const auto forked = paged.fork(first);
+  y_step = gqa.step(token, paged, {first, forked});
+  paged.truncate(forked, 1);
+  paged.remove_sequence(second);
+  if (paged.blocks_used() == 0 || g3.q.size() == 0) return 1;
+
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor> q(2, 4, 9, 8), k(2, 2, 9, 8), v(2, 2, 9, 8);
   q.setRandom();
   k.setRandom();
@@ -124,7 +147,7 @@ int exercise() {
 #endif
 
   double sum = 0;
-  for (const auto* t : {&y, &y_masked, &y_padded, &y_map, &y_train, &y_ref, &y_gqa, &y_step, &y_narrow})
+  for (const auto* t : {&y, &y_masked, &y_padded, &y_map, &y_train, &y_ref, &y_gqa, &y_step, &y_narrow, &y_packed})
     for (Eigen::Index i = 0; i < t->size(); ++i) sum += static_cast<double>(t->data()[i]);
   for (Eigen::Index i = 0; i < z.size(); ++i) sum += static_cast<double>(z.data()[i]);
   if (!std::isfinite(sum)) {
