@@ -1,0 +1,187 @@
+// serve_bench: serving many sequences at once (d_model 512, h 8, d_k = d_v = 64, float, eval, 1 thread):
+//   serve/ragged_step        one PagedKVCache step of 8 sequences of 100..4000 cached tokens, one token each
+//                            (the sequences are truncated back after each step)
+//   serve/separate_steps     the same 8 sequences as 8 KVCaches, one step each: the sum the ragged step
+//                            replaces
+//   serve/read/bytes:<B>     a sum over the ragged step's bytes (the 8 sequences' keys and values and the
+//                            four weight matrices): its read bound, same run
+//   serve/packed_prefill     8 prompts of 64..1024 tokens packed in one causal forward (cu_seqlens)
+//   serve/separate_prefill   the 8 prompts as 8 causal forwards
+//   serve/padded_prefill     the 8 prompts padded to 1024 in one batch, key_lengths hiding the padding
+//   serve_bench --fork_memory   16 forks of a 2000-token prompt each decoding 100 tokens: prints the
+//                            blocks used against the entries held and against 16 copies (JSON)
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace sdpa_bench {
+namespace {
+
+using Paged = sdpa::PagedKVCache<float>;
+using Cache = sdpa::KVCache<float>;
+const std::vector<Index> kCached{100, 600, 1100, 1600, 2100, 2600, 3100, 4000};
+const std::vector<Index> kPrompts{64, 200, 330, 460, 600, 730, 860, 1024};
+
+struct Model {
+  Module module{512, 64, 64, 8, 0.0f};
+  Model() {
+    module.init_weights(sdpa::init::PyTorchDefaultPolicy{});
+    module.eval();
+  }
+  Tensor3 tokens(Index batch, Index n, std::uint64_t stream) const {
+    Tensor3 x(batch, n, 512);
+    sdpa::Philox gen(0x5e7e, stream);
+    sdpa::init::Uniform{-1.0, 1.0}(x, gen);
+    return x;
+  }
+};
+
+const Model& model() {
+  static const Model m;
+  return m;
+}
+
+double ragged_bytes() {
+  double entries = 0;
+  for (Index n : kCached) entries += static_cast<double>(n);
+  return 4.0 * (entries * 2.0 * 512.0 + 4.0 * 512.0 * 512.0);
+}
+
+void ragged_step(benchmark::State& state) {
+  const Model& m = model();
+  Paged paged(m.module, 64, 600);
+  std::vector<Paged::SequenceId> ids;
+  for (std::size_t i = 0; i < kCached.size(); ++i) {
+    ids.push_back(paged.add_sequence());
+    (void)m.module.step(m.tokens(1, kCached[i], i), paged, {ids.back()});
+  }
+  const Tensor3 x = m.tokens(static_cast<Index>(ids.size()), 1, 99);
+  for (auto _ : state) {
+    Tensor3 y = m.module.step(x, paged, ids);
+    benchmark::DoNotOptimize(y.data());
+    for (std::size_t i = 0; i < ids.size(); ++i) paged.truncate(ids[i], kCached[i]);
+  }
+  state.counters["bytes"] = ragged_bytes();
+}
+
+void separate_steps(benchmark::State& state) {
+  const Model& m = model();
+  std::vector<std::unique_ptr<Cache>> caches;
+  for (std::size_t i = 0; i < kCached.size(); ++i) {
+    caches.push_back(std::make_unique<Cache>(m.module, 1, kCached[i] + 1));
+    (void)m.module.step(m.tokens(1, kCached[i], i), *caches.back());
+  }
+  const Tensor3 x = m.tokens(1, 1, 99);
+  Tensor3 out(1, 1, 512);
+  Eigen::TensorMap<Tensor3> out_map(out.data(), 1, 1, 512);
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < caches.size(); ++i) {
+      m.module.step(x, *caches[i], {}, out_map);
+      caches[i]->truncate(kCached[i]);
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+}
+
+void read_bound(benchmark::State& state, double bytes) {
+  std::vector<float> buf(static_cast<std::size_t>(bytes / 4));
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i % 7);
+  float sum = 0;
+  for (auto _ : state) {
+    sum += Eigen::Map<const Eigen::ArrayXf>(buf.data(), static_cast<Index>(buf.size())).sum();
+    benchmark::DoNotOptimize(sum);
+  }
+  state.counters["bytes"] = bytes;
+}
+
+void packed_prefill(benchmark::State& state) {
+  const Model& m = model();
+  Index total = 0;
+  sdpa::AttentionOptions<float> o;
+  o.causal = true;
+  o.cu_seqlens_q = {0};
+  for (Index n : kPrompts) o.cu_seqlens_q.push_back(total += n);
+  o.cu_seqlens_k = o.cu_seqlens_q;
+  const Tensor3 x = m.tokens(1, total, 7);
+  for (auto _ : state) {
+    Tensor3 y = m.module(x, x, x, o);
+    benchmark::DoNotOptimize(y.data());
+  }
+}
+
+void separate_prefill(benchmark::State& state) {
+  const Model& m = model();
+  std::vector<Tensor3> xs;
+  for (std::size_t i = 0; i < kPrompts.size(); ++i) xs.push_back(m.tokens(1, kPrompts[i], 10 + i));
+  sdpa::AttentionOptions<float> o;
+  o.causal = true;
+  for (auto _ : state) {
+    for (const Tensor3& x : xs) {
+      Tensor3 y = m.module(x, x, x, o);
+      benchmark::DoNotOptimize(y.data());
+    }
+  }
+}
+
+void padded_prefill(benchmark::State& state) {
+  const Model& m = model();
+  const Index longest = kPrompts.back();
+  const Tensor3 x = m.tokens(static_cast<Index>(kPrompts.size()), longest, 8);
+  sdpa::AttentionOptions<float> o;
+  o.causal = true;  // (lower-right on the padded length: the real rows are the first ones, keys past the length hidden)
+  o.key_lengths = kPrompts;
+  for (auto _ : state) {
+    Tensor3 y = m.module(x, x, x, o);
+    benchmark::DoNotOptimize(y.data());
+  }
+}
+
+int fork_memory() {
+  const Model& m = model();
+  Paged paged(m.module, 16, 400);
+  const Paged::SequenceId root = paged.add_sequence();
+  (void)m.module.step(m.tokens(1, 2000, 1), paged, {root});
+  std::vector<Paged::SequenceId> forks;
+  for (int i = 0; i < 16; ++i) forks.push_back(paged.fork(root));
+  paged.remove_sequence(root);
+  for (int t = 0; t < 100; ++t) (void)m.module.step(m.tokens(16, 1, 100 + static_cast<std::uint64_t>(t)), paged, forks);
+  const double entry_bytes = 2.0 * 512 * 4;
+  const double held = (2000.0 + 16 * 100) * entry_bytes, copies = 16 * 2100.0 * entry_bytes;
+  std::printf("{\"blocks_used\": %ld, \"block_size\": %ld, \"bytes\": %zu, \"prompt_and_continuations_bytes\": %.0f, "
+              "\"ratio\": %.4f, \"copies_bytes\": %.0f, \"copies_ratio\": %.4f}\n",
+              static_cast<long>(paged.blocks_used()), static_cast<long>(paged.block_size()), paged.bytes(), held,
+              static_cast<double>(paged.bytes()) / held, copies, copies / held);
+  return 0;
+}
+
+template <typename F>
+void add(const std::string& name, F f) {
+  benchmark::RegisterBenchmark(name.c_str(), f)->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+}  // namespace sdpa_bench
+
+int main(int argc, char** argv) {
+  using namespace sdpa_bench;
+  if (argc == 2 && std::strcmp(argv[1], "--fork_memory") == 0) return fork_memory();
+  add("serve/ragged_step/threads:1", ragged_step);
+  add("serve/separate_steps/threads:1", separate_steps);
+  const double bytes = ragged_bytes();
+  add("serve/read/bytes:" + std::to_string(static_cast<long long>(bytes)) + "/threads:1",
+      [bytes](benchmark::State& s) { read_bound(s, bytes); });
+  add("serve/packed_prefill/threads:1", packed_prefill);
+  add("serve/separate_prefill/threads:1", separate_prefill);
+  add("serve/padded_prefill/threads:1", padded_prefill);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
