@@ -23,7 +23,7 @@ configure() {  # build dir, C++ compiler, sanitizer flags
     generator=(-G Ninja)
   fi
   cmake -S "$root" -B "$1" "${generator[@]}" -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_COMPILER="$2" -DSDPA_BUILD_TESTS=ON \
-    -DSDPA_BUILD_EXAMPLES=OFF -DSDPA_IO=ON -DSDPA_ONEDNN=OFF -DCMAKE_CXX_FLAGS="$3 $flags" >/dev/null
+    -DSDPA_BUILD_EXAMPLES=OFF -DSDPA_IO=ON -DSDPA_ONEDNN=OFF -DSDPA_MPI=OFF -DCMAKE_CXX_FLAGS="$3 $flags" >/dev/null
 }
 
 asan="-fsanitize=address,undefined -fno-sanitize-recover=all"

@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "sdpa/error.hpp"
+#include "sdpa/options.hpp"
+#include "sdpa/rotary.hpp"
 
 SDPA_NAMESPACE_BEGIN
 namespace distributed {
@@ -100,6 +102,41 @@ class Fields {
   std::vector<Field> list_;
 };
 
+// The fields of the options that every rank must pass alike (the tensors by their shapes).
+template <typename Scalar>
+void add_option_fields(Fields& f, const AttentionOptions<Scalar>& o) {
+  f.integer("the scalar type's size", static_cast<std::int64_t>(sizeof(Scalar)))
+      .integer("options.layout", static_cast<std::int64_t>(o.layout))
+      .integer("causal", o.causal ? 1 : 0)
+      .integer("window_left", o.window_left)
+      .integer("window_right", o.window_right)
+      .list("key_lengths", o.key_lengths)
+      .list("alibi_slopes", o.alibi_slopes)
+      .real("scale", static_cast<double>(o.scale))
+      .real("softcap", static_cast<double>(o.softcap))
+      .list("sinks", o.sinks)
+      .integer("kernel", static_cast<std::int64_t>(o.kernel))
+      .integer("masked_rows", static_cast<std::int64_t>(o.masked_rows))
+      .real("dropout", static_cast<double>(o.dropout))
+      .list("cu_seqlens_q", o.cu_seqlens_q)
+      .list("cu_seqlens_k", o.cu_seqlens_k)
+      .integer("probabilities (set or not)", o.probabilities != nullptr ? 1 : 0);
+  const auto shape = [&f](const char* name, const auto* t) {
+    for (int i = 0; i < 4; ++i) f.integer(name, t != nullptr ? t->dimension(i) : -1);
+  };
+  shape("attention_mask's shape", o.attention_mask);
+  shape("attention_weights' shape", o.attention_weights);
+  shape("attention_bias' shape", o.attention_bias);
+  const Rotary none;
+  const Rotary& r = o.rotary != nullptr ? *o.rotary : none;
+  f.integer("rotary (set or not)", o.rotary != nullptr ? 1 : 0)
+      .integer("rotary.dim", r.dim)
+      .integer("rotary.interleaved", r.interleaved ? 1 : 0)
+      .real("rotary.theta", r.theta)
+      .list("rotary.inv_freq", r.inv_freq)
+      .real("rotary.attention_factor", r.attention_factor);
+}
+
 inline std::string field_text(const Field& f, std::int64_t value) {
   if (f.kind == Field::kReal) {
     double v = 0;
@@ -110,9 +147,11 @@ inline std::string field_text(const Field& f, std::int64_t value) {
   return ::sdpa::detail::concat(value);
 }
 
-// The agreement (see the header comment). `refusal` is this rank's own message ("" when its checks passed).
-// Collective: every rank of comm calls it with the same fields (in number and order).
-inline void agree(MPI_Comm comm, const CommShape& cs, const char* where, const std::string& refusal, const Fields& fields) {
+// The agreement (see the header comment): the message every rank must throw, or "" when every rank passed
+// and the fields agree. `refusal` is this rank's own message ("" when its checks passed). Collective: every
+// rank of comm calls it with the same fields (in number and order).
+inline std::string agreed_refusal(MPI_Comm comm, const CommShape& cs, const char* where, const std::string& refusal,
+                                  const Fields& fields) {
   const std::vector<Field>& f = fields.list();
   const std::size_t n = f.size() + 2;
   std::vector<std::int64_t> mine(n), all(n * static_cast<std::size_t>(cs.size));
@@ -128,19 +167,23 @@ inline void agree(MPI_Comm comm, const CommShape& cs, const char* where, const s
     std::string text = refusal;
     text.resize(static_cast<std::size_t>(at(r, 0)));
     check_mpi(MPI_Bcast(&text[0], static_cast<int>(text.size()), MPI_CHAR, r, comm), "MPI_Bcast");
-    throw std::invalid_argument(::sdpa::detail::concat(text, " (rank ", r, " of ", cs.size, "; every rank refuses)"));
+    return ::sdpa::detail::concat(text, " (rank ", r, " of ", cs.size, "; every rank refuses)");
   }
   for (int r = 1; r < cs.size; ++r) {
     if (at(r, 1) != at(0, 1))
-      throw std::invalid_argument(::sdpa::detail::concat("sdpa::", where, ": ranks 0 and ", r,
-                                                         " checked different argument lists (different sdpa builds?)"));
+      return ::sdpa::detail::concat("sdpa::", where, ": ranks 0 and ", r, " checked different argument lists (different sdpa builds?)");
     for (std::size_t i = 0; i < f.size(); ++i) {
       if (at(r, i + 2) == at(0, i + 2)) continue;
-      throw std::invalid_argument(::sdpa::detail::concat(
-          "sdpa::", where, ": ", f[i].name, " must be the same on every rank, but is ", field_text(f[i], at(0, i + 2)),
-          " on rank 0 and ", field_text(f[i], at(r, i + 2)), " on rank ", r));
+      return ::sdpa::detail::concat("sdpa::", where, ": ", f[i].name, " must be the same on every rank, but is ",
+                                    field_text(f[i], at(0, i + 2)), " on rank 0 and ", field_text(f[i], at(r, i + 2)), " on rank ", r);
     }
   }
+  return std::string();
+}
+
+inline void agree(MPI_Comm comm, const CommShape& cs, const char* where, const std::string& refusal, const Fields& fields) {
+  const std::string message = agreed_refusal(comm, cs, where, refusal, fields);
+  if (!message.empty()) throw std::invalid_argument(message);
 }
 
 // Runs `check` (this rank's own checks, which throw std::invalid_argument or another std::logic_error) and

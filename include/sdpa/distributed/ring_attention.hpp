@@ -516,9 +516,7 @@ void ring_backward(const RingCall<Scalar>& call, const kernels::Heads<const Scal
 template <typename Scalar>
 Fields ring_fields(const ::sdpa::detail::CallShape& c, const AttentionOptions<Scalar>& o, const RingOptions& ro) {
   Fields f;
-  f.integer("the scalar type's size", static_cast<std::int64_t>(sizeof(Scalar)))
-      .integer("options.layout", static_cast<std::int64_t>(o.layout))
-      .integer("ring layout", static_cast<std::int64_t>(ro.layout))
+  f.integer("ring layout", static_cast<std::int64_t>(ro.layout))
       .integer("block_rows", ro.block_rows)
       .integer("the batch", c.batch)
       .integer("the query heads", c.heads)
@@ -526,26 +524,8 @@ Fields ring_fields(const ::sdpa::detail::CallShape& c, const AttentionOptions<Sc
       .integer("the local sequence rows of q", c.nq)
       .integer("the local sequence rows of k", c.nk)
       .integer("d_k", c.d_k)
-      .integer("d_v", c.d_v)
-      .integer("causal", o.causal ? 1 : 0)
-      .integer("window_left", o.window_left)
-      .integer("window_right", o.window_right)
-      .list("key_lengths", o.key_lengths)
-      .list("alibi_slopes", o.alibi_slopes)
-      .real("scale", static_cast<double>(o.scale))
-      .real("softcap", static_cast<double>(o.softcap))
-      .list("sinks", o.sinks)
-      .integer("kernel", static_cast<std::int64_t>(o.kernel))
-      .integer("masked_rows", static_cast<std::int64_t>(o.masked_rows))
-      .real("dropout", static_cast<double>(o.dropout))
-      .integer("rotary (set or not)", o.rotary != nullptr ? 1 : 0);
-  const Rotary none;
-  const Rotary& r = o.rotary != nullptr ? *o.rotary : none;
-  f.integer("rotary.dim", r.dim)
-      .integer("rotary.interleaved", r.interleaved ? 1 : 0)
-      .real("rotary.theta", r.theta)
-      .list("rotary.inv_freq", r.inv_freq)
-      .real("rotary.attention_factor", r.attention_factor);
+      .integer("d_v", c.d_v);
+  add_option_fields(f, o);
   return f;
 }
 
