@@ -6,6 +6,13 @@
 #include <sdpa/io/hf.hpp>
 #include <sdpa/io/safetensors.hpp>
 #endif
+#ifdef SDPA_CONSUMER_MPI
+#include <sdpa/distributed/head_parallel.hpp>
+#include <sdpa/distributed/ring_attention.hpp>
+#ifdef SDPA_CONSUMER_IO
+#include <sdpa/distributed/head_parallel_io.hpp>
+#endif
+#endif
 
 #include <cmath>
 #include <iostream>
@@ -158,6 +165,40 @@ int exercise() {
 }
 
 }  // namespace
+
+#ifdef SDPA_CONSUMER_MPI
+// The distributed layers as the README shows them: compiled (every template instantiated), not run (this
+// program is not started by mpiexec).
+template <typename Scalar>
+[[maybe_unused]] void distributed_usage() {
+  sdpa::Tensor4<Scalar> q(1, 2, 8, 4);
+  q.setConstant(Scalar(1));
+  sdpa::AttentionOptions<Scalar> o;
+  o.causal = true;
+  sdpa::RingOptions ring;
+  ring.layout = sdpa::RingLayout::kZigZag;
+  sdpa::RingState<Scalar> state;
+  const auto local = sdpa::ring_shard(q, ring.layout, 0, 2);
+  auto out = sdpa::ring_attention(local, local, local, o, MPI_COMM_WORLD, ring, state);
+  auto grads = sdpa::ring_attention_backward(out, state, MPI_COMM_WORLD);
+  auto plain = sdpa::ring_attention(local, local, local, o, MPI_COMM_WORLD);
+  sdpa::ScaledDotProductAttention<Scalar> whole(8, 4, 4, 2, Scalar(0));
+  auto hp = sdpa::HeadParallelAttention<Scalar>::slice_of(whole, MPI_COMM_WORLD);
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> x(1, 3, 8);
+  x.setConstant(Scalar(1));
+  sdpa::ForwardState<Scalar> fs;
+  auto y = hp.forward(x, x, x, sdpa::AttentionOptions<Scalar>{}, fs);
+  auto g = hp.backward(y, fs);
+#ifdef SDPA_CONSUMER_IO
+  sdpa::load_safetensors_slice(hp, "whole.safetensors");
+#endif
+  (void)grads;
+  (void)plain;
+  (void)g;
+}
+template void distributed_usage<float>();
+template void distributed_usage<double>();
+#endif
 
 int main() {
   const int rc = exercise<float>() + exercise<double>();

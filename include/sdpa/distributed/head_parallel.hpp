@@ -113,7 +113,7 @@ class HeadParallelAttention {
     const char* where = "HeadParallelAttention::backward";
     const distributed::detail::CommShape cs = distributed::detail::comm_shape(comm_, where);
     distributed::detail::Fields fields;
-    for (int i = 0; i < 3; ++i) fields.integer("grad_output's shape", grad_output.dimension(i));
+    for (std::size_t i = 0; i < 3; ++i) fields.integer("grad_output's shape", grad_output.dimension(i));
     Gradients<Scalar> g;
     distributed::detail::checked_collectively(
         comm_, cs, where, [&] { g = local_.backward(grad_output, state); }, fields);
@@ -194,7 +194,7 @@ class HeadParallelAttention {
     const distributed::detail::CommShape cs = distributed::detail::comm_shape(comm_, where);
     distributed::detail::Fields fields;
     for (const Tensor3* t : {&queries, &keys, &values})
-      for (int i = 0; i < 3; ++i) fields.integer("the inputs' shapes", t->dimension(i));
+      for (std::size_t i = 0; i < 3; ++i) fields.integer("the inputs' shapes", t->dimension(i));
     distributed::detail::add_option_fields(fields, options);
     Tensor3 out;
     // The local forward is this rank's check: it refuses before any work, and nothing is exchanged until

@@ -122,7 +122,7 @@ void add_option_fields(Fields& f, const AttentionOptions<Scalar>& o) {
       .list("cu_seqlens_k", o.cu_seqlens_k)
       .integer("probabilities (set or not)", o.probabilities != nullptr ? 1 : 0);
   const auto shape = [&f](const char* name, const auto* t) {
-    for (int i = 0; i < 4; ++i) f.integer(name, t != nullptr ? t->dimension(i) : -1);
+    for (std::size_t i = 0; i < 4; ++i) f.integer(name, t != nullptr ? t->dimension(i) : -1);
   };
   shape("attention_mask's shape", o.attention_mask);
   shape("attention_weights' shape", o.attention_weights);

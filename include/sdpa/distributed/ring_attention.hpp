@@ -90,7 +90,7 @@ Tensor4<Scalar> ring_shard(const Tensor4<Scalar>& full, RingLayout layout, int r
   if (ranks <= 0) detail::throw_invalid(where, "ranks", "positive", ranks);
   if (rank < 0 || rank >= ranks) detail::throw_invalid(where, "rank", detail::concat("in [0, ", ranks, ")"), rank);
   const int seq_axis = tensor_layout == Layout::kBHND ? 2 : 1;
-  const Eigen::Index n = full.dimension(seq_axis), parts = layout == RingLayout::kZigZag ? 2 * ranks : ranks;
+  const Eigen::Index n = full.dimension(static_cast<std::size_t>(seq_axis)), parts = layout == RingLayout::kZigZag ? 2 * ranks : ranks;
   if (n % parts != 0)
     detail::throw_invalid(where, detail::concat("the sequence (dimension ", seq_axis, ")"),
                           detail::concat("a multiple of ", parts, layout == RingLayout::kZigZag ? " (2 chunks per rank)" : " (the ranks)"), n);

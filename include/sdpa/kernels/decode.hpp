@@ -183,8 +183,8 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
           for (Index q = 0; q < p.nq; ++q) {
             const Index r = h * p.nq + q;
             const Segment& seg = segs[r];
-            const Index lo = std::max(seg.lo, j0), hi = std::min(seg.hi, j0 + m);
-            if (lo >= hi) continue;
+            const Index jlo = std::max(seg.lo, j0), jhi = std::min(seg.hi, j0 + m);
+            if (jlo >= jhi) continue;
             // The block's value rows (inside one block of a paged cache; stored values are read through
             // stored_add_weighted_rows instead).
             const Scalar* vb = p.stored() ? nullptr : p.value_row(b, h, k0 + j0);
@@ -193,15 +193,15 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
             if (p.stored()) {
               // Solid or not, key by key where the mask has holes.
               if (seg.solid) {
-                stored_add_weighted_rows(p, av.data(), pr + lo, b, h / p.kv_group, k0 + lo, hi - lo);
+                stored_add_weighted_rows(p, av.data(), pr + jlo, b, h / p.kv_group, k0 + jlo, jhi - jlo);
               } else {
-                for (Index j = lo; j < hi; ++j)
+                for (Index j = jlo; j < jhi; ++j)
                   if (!visibility.masked(b, h, q, k0 + j)) stored_add_weighted_rows(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
               }
             } else if (seg.solid) {
-              simd::add_weighted_rows(p.isa, av.data(), p.d_v, pr + lo, vb + (lo - j0) * p.v.row_stride, p.v.row_stride, hi - lo);
+              simd::add_weighted_rows(p.isa, av.data(), p.d_v, pr + jlo, vb + (jlo - j0) * p.v.row_stride, p.v.row_stride, jhi - jlo);
             } else {
-              for (Index j = lo; j < hi; ++j)
+              for (Index j = jlo; j < jhi; ++j)
                 if (!visibility.masked(b, h, q, k0 + j)) av += pr[j] * Vec(vb + (j - j0) * p.v.row_stride, p.d_v);
             }
           }
