@@ -283,6 +283,22 @@ void check_minilm(const std::string& dir, const std::string& fixture_name, doubl
     Eigen::Tensor<double, 3, Eigen::RowMajor> expected(batch, n, 384);
     std::copy(out.begin(), out.end(), expected.data());
     EXPECT_LT(relative_error<Scalar>(att(x, x, x, o), expected), tolerance);
+    // Packed without padding (cu_seqlens): the sentences' real rows one after another, against the same
+    // rows of transformers' padded output.
+    std::vector<Eigen::Index> cu{0};
+    for (const Eigen::Index l : lengths) cu.push_back(cu.back() + l);
+    Eigen::Tensor<Scalar, 3, Eigen::RowMajor> packed(1, cu.back(), 384);
+    Eigen::Tensor<double, 3, Eigen::RowMajor> packed_expected(1, cu.back(), 384);
+    for (Eigen::Index b = 0; b < batch; ++b)
+      for (Eigen::Index i = 0; i < lengths[static_cast<std::size_t>(b)]; ++i)
+        for (Eigen::Index c = 0; c < 384; ++c) {
+          packed(0, cu[static_cast<std::size_t>(b)] + i, c) = x(b, i, c);
+          packed_expected(0, cu[static_cast<std::size_t>(b)] + i, c) = expected(b, i, c);
+        }
+    auto po = o;
+    po.key_lengths.clear();
+    po.cu_seqlens_q = po.cu_seqlens_k = cu;
+    EXPECT_LT(relative_error<Scalar>(att(packed, packed, packed, po), packed_expected), tolerance) << "packed";
   }
 }
 
