@@ -258,9 +258,11 @@ std::vector<Shape> shapes(const gemm::Blocking& bl) {
   // Enough rows and columns for the work split to cut both (several items per worker).
   v.push_back({200, 4 * bl.nr + 1, 9});
   v.push_back({65, 3 * bl.nr, bl.kc + 5});
-  // Several k blocks with three items (two workers own two and one, gemm_loops) and with four (the
-  // workers share each k block's items); so with the micro-kernels (the Eigen fallback cuts both into
-  // four items).
+  // Several k blocks with one item (one worker owns it), two (each worker owns one, gemm_loops), three
+  // column chunks (cut into four narrower ones for two workers) and four (the workers share each k
+  // block's items); so with the micro-kernels (the Eigen fallback cuts all into four items).
+  v.push_back({40, 13, bl.kc + 3});
+  v.push_back({40, bl.nc + 1, bl.kc + 3});
   v.push_back({40, 2 * bl.nc + 1, bl.kc + 3});
   v.push_back({40, 3 * bl.nc + 1, bl.kc + 3});
   v.push_back({0, 5, 3});
@@ -587,6 +589,32 @@ TEST(GemmBlocking, FollowsTheDocumentedRule) {
   EXPECT_EQ(u.nc % 16, 0);
   EXPECT_EQ(u.mc % 6, 0);
   EXPECT_EQ(gemm::detail::compute_blocking(1, 1, 4, 48 << 10, 1 << 20, 1 << 20).kc, 1024);
+}
+
+// The work split: a few column chunks that the workers cannot share evenly are cut into as many as the
+// next multiple of the workers (3 on 2 workers: one would run two while the other waits); rows are cut
+// only when the chunks are fewer than the workers.
+TEST(GemmBlocking, FewChunksAreSharedEvenly) {
+  const gemm::Blocking bl{12, 32, 4092, 512, 512};
+  const gemm::detail::Split three(4096, 1536, bl, 2);
+  EXPECT_EQ(three.n_items, 4);
+  EXPECT_EQ(three.n_step, 384);
+  EXPECT_EQ(three.m_items, 1);
+  const gemm::detail::Split alone(4096, 1536, bl, 1);  // one worker: the chunks stay whole
+  EXPECT_EQ(alone.n_items, 3);
+  EXPECT_EQ(alone.n_step, 512);
+  const gemm::detail::Split five(4096, 2560, bl, 2);  // five chunks of 512 become six of 448
+  EXPECT_EQ(five.count(), 6);
+  const gemm::detail::Split even(4096, 2048, bl, 2);  // four: as they are
+  EXPECT_EQ(even.n_items, 4);
+  EXPECT_EQ(even.n_step, 512);
+  const gemm::detail::Split rows(4096, 512, bl, 2);  // one chunk: the rows are cut in two
+  EXPECT_EQ(rows.n_items, 1);
+  EXPECT_EQ(rows.m_items, 2);
+  // Chunks of two micro-tiles: three (160 columns) cannot become four of whole micro-tiles, and stay.
+  const gemm::detail::Split narrow(4096, 160, gemm::Blocking{12, 32, 4092, 512, 64}, 2);
+  EXPECT_EQ(narrow.n_items, 3);
+  EXPECT_EQ(narrow.n_step, 64);
 }
 
 // The products run on the path sdpa::cpu_isa() names (ctest runs this file once per path the CPU has):

@@ -66,6 +66,16 @@ struct Split {
       n_step = std::max(bl.nr, round_up(ceil_div(cols, chunks), bl.nr));
       n_items = ceil_div(cols, n_step);
     }
+    // A few column chunks that the workers cannot share evenly (three on two workers: one runs two while
+    // the other waits) become as many narrower ones as the next multiple of `wanted`, where the rounding
+    // to nr allows it.
+    if (pieces == 1 && n_items < 4 * wanted && n_items % wanted != 0) {
+      const Eigen::Index step = std::max(bl.nr, round_up(ceil_div(cols, round_up(n_items, wanted)), bl.nr));
+      if (ceil_div(cols, step) % wanted == 0) {
+        n_step = step;
+        n_items = ceil_div(cols, n_step);
+      }
+    }
     m_step = std::max<Eigen::Index>(1, round_up(ceil_div(rows, pieces), bl.mr));
     m_items = ceil_div(rows, m_step);
   }
