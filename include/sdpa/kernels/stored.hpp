@@ -21,6 +21,15 @@
 SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
+// Calls f with a cache's stored entries at `data` as the type `storage` names (bfloat16, float16 or int8;
+// nothing for another storage).
+template <typename F>
+void with_stored_entries(Storage storage, const void* data, F&& f) {
+  if (storage == Storage::kBFloat16) f(static_cast<const BFloat16*>(data));
+  else if (storage == Storage::kFloat16) f(static_cast<const Float16*>(data));
+  else if (storage == Storage::kInt8) f(static_cast<const std::int8_t*>(data));
+}
+
 // Rows i0 .. i0 + rows - 1 of `heads` consecutive key (values: value) heads from g0 of batch entry b, as
 // Scalar, into dst with row stride ldd: row r holds the heads side by side (heads * d values). Stored
 // entries are widened, Scalar ones copied; paged rows are found block by block (a run of rows inside one
@@ -44,23 +53,12 @@ void gather_kv(const AttentionProblem<Scalar>& p, bool values, Eigen::Index b, E
       const Index offset = b * hd.batch_stride + row * hd.row_stride + g0 * hd.head_stride;
       const float* scales = values ? p.v_scales : p.k_scales;
       if (scales != nullptr) scales += b * p.scale_batch_stride + row * p.kv_heads() + g0;
-      const void* base = values ? p.v_stored : p.k_stored;
-      switch (p.kv_storage) {
-        case Storage::kBFloat16:
-          simd::widen_rows(p.isa, static_cast<const BFloat16*>(base) + offset, hd.row_stride, run, heads * d, nullptr,
-                           Index{0}, heads * d, out, ldd);
-          break;
-        case Storage::kFloat16:
-          simd::widen_rows(p.isa, static_cast<const Float16*>(base) + offset, hd.row_stride, run, heads * d, nullptr,
-                           Index{0}, heads * d, out, ldd);
-          break;
-        case Storage::kInt8:
-          simd::widen_rows(p.isa, static_cast<const std::int8_t*>(base) + offset, hd.row_stride, run, heads * d, scales,
-                           p.kv_heads(), d, out, ldd);
-          break;
-        default:
-          break;
-      }
+      with_stored_entries(p.kv_storage, values ? p.v_stored : p.k_stored, [&](const auto* base) {
+        // int8: one scale per (row, head) of d entries; the others have none.
+        constexpr bool kInt8 = std::is_same<std::decay_t<decltype(*base)>, std::int8_t>::value;
+        simd::widen_rows(p.isa, base + offset, hd.row_stride, run, heads * d, kInt8 ? scales : nullptr,
+                         kInt8 ? p.kv_heads() : Index{0}, kInt8 ? d : heads * d, out, ldd);
+      });
     }
     i += run;
   }
@@ -81,9 +79,7 @@ void stored_chunk_scores(const AttentionProblem<Scalar>& p, Eigen::Index b, Eige
       simd::chunk_scores_stored(p.isa, k + offset, p.k.row_stride, p.k.head_stride, n, scales, p.kv_heads(), q, q_head, q_row,
                                 heads, group, nq, p.d_k, p.scale, s, lds);
     };
-    if (p.kv_storage == Storage::kBFloat16) run(static_cast<const BFloat16*>(p.k_stored));
-    else if (p.kv_storage == Storage::kFloat16) run(static_cast<const Float16*>(p.k_stored));
-    else if (p.kv_storage == Storage::kInt8) run(static_cast<const std::int8_t*>(p.k_stored));
+    with_stored_entries(p.kv_storage, p.k_stored, run);
   } else {
     (void)p, (void)b, (void)g0, (void)i0, (void)n, (void)q, (void)q_head, (void)q_row, (void)heads, (void)group, (void)nq,
         (void)s, (void)lds;
@@ -103,9 +99,7 @@ void stored_add_weighted_rows(const AttentionProblem<Scalar>& p, Scalar* acc, co
     const auto run = [&](const auto* v) {
       simd::add_weighted_rows_stored(p.isa, acc, p.d_v, w, v + offset, p.v.row_stride, scales, p.kv_heads(), m);
     };
-    if (p.kv_storage == Storage::kBFloat16) run(static_cast<const BFloat16*>(p.v_stored));
-    else if (p.kv_storage == Storage::kFloat16) run(static_cast<const Float16*>(p.v_stored));
-    else if (p.kv_storage == Storage::kInt8) run(static_cast<const std::int8_t*>(p.v_stored));
+    with_stored_entries(p.kv_storage, p.v_stored, run);
   } else {
     (void)p, (void)acc, (void)w, (void)b, (void)g, (void)i0, (void)m;
   }
