@@ -55,10 +55,16 @@ void time_layers(benchmark::State& state, const Tensor3& x, const sdpa::Attentio
   }
 }
 
-void attention_case(benchmark::State& state, int threads) {
-  Tensor3 x(kBatch, kTokens, kModel);
+// A (batch, rows, 384) input, uniform in [-1, 1).
+Tensor3 random_input(Index batch, Index rows) {
+  Tensor3 x(batch, rows, kModel);
   sdpa::Philox gen(0x3142, 0);
   sdpa::init::Uniform{-1.0, 1.0}(x, gen);
+  return x;
+}
+
+void attention_case(benchmark::State& state, int threads) {
+  const Tensor3 x = random_input(kBatch, kTokens);
   sdpa::AttentionOptions<float> o;
   o.key_lengths = lengths();
   o.device = device_for(threads);
@@ -68,9 +74,7 @@ void attention_case(benchmark::State& state, int threads) {
 void packed_case(benchmark::State& state, int threads) {
   std::vector<Index> cu{0};
   for (Index n : lengths()) cu.push_back(cu.back() + n);
-  Tensor3 x(1, cu.back(), kModel);
-  sdpa::Philox gen(0x3142, 0);
-  sdpa::init::Uniform{-1.0, 1.0}(x, gen);
+  const Tensor3 x = random_input(1, cu.back());
   sdpa::AttentionOptions<float> o;
   o.cu_seqlens_q = o.cu_seqlens_k = cu;
   o.device = device_for(threads);

@@ -272,6 +272,8 @@ void check_minilm(const std::string& dir, const std::string& fixture_name, doubl
   EXPECT_EQ(config.num_heads, 12);
   EXPECT_EQ(config.head_dim, 32);
   auto att = sdpa::make_hf_attention<Scalar>(config);
+  std::vector<Eigen::Index> cu{0};  // the packed batch's sequences
+  for (const Eigen::Index l : lengths) cu.push_back(cu.back() + l);
   for (int layer = 0; layer < 6; ++layer) {
     SCOPED_TRACE("layer " + std::to_string(layer));
     auto o = sdpa::load_hf_attention(att, weights, "encoder.layer." + std::to_string(layer) + ".attention.", HfLayout::kBert);
@@ -285,8 +287,6 @@ void check_minilm(const std::string& dir, const std::string& fixture_name, doubl
     EXPECT_LT(relative_error<Scalar>(att(x, x, x, o), expected), tolerance);
     // Packed without padding (cu_seqlens): the sentences' real rows one after another, against the same
     // rows of transformers' padded output.
-    std::vector<Eigen::Index> cu{0};
-    for (const Eigen::Index l : lengths) cu.push_back(cu.back() + l);
     Eigen::Tensor<Scalar, 3, Eigen::RowMajor> packed(1, cu.back(), 384);
     Eigen::Tensor<double, 3, Eigen::RowMajor> packed_expected(1, cu.back(), 384);
     for (Eigen::Index b = 0; b < batch; ++b)
