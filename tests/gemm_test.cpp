@@ -617,14 +617,47 @@ TEST(GemmBlocking, FewChunksAreSharedEvenly) {
   EXPECT_EQ(narrow.n_step, 64);
 }
 
+// Every path's packing of A writes its slivers and nothing past them: each sliver of mr rows holds, step
+// by step, the rows' values (zeros past the last row), in a buffer whose end is followed by sentinels. A
+// sliver narrower than a vector (6 floats in 16 lanes) is stored with whole vectors that spill into the
+// next steps; the spill must stop at the sliver's end.
+TYPED_TEST(GemmTest, PackedAStaysWithinItsSlivers) {
+  using T = TypeParam;
+  const T sentinel = T(-7.25);
+  for (Index m : {Index(1), Index(5), Index(6), Index(7), Index(12), Index(13), Index(37)}) {
+    for (Index k : {Index(1), Index(7), Index(16), Index(17), Index(64), Index(100)}) {
+      const Index lda = k + 3;
+      std::vector<T> a(static_cast<std::size_t>(m * lda));
+      for (std::size_t i = 0; i < a.size(); ++i) a[i] = T(static_cast<double>(i % 97) + 1);
+      sdpa::simd::with_gemm_kernel<T>(sdpa::active_isa(), [&](auto kernel) {
+        using K = decltype(kernel);
+        const Index padded = (m + K::mr - 1) / K::mr * K::mr;
+        constexpr Index guard = 64;
+        std::vector<T> dst(static_cast<std::size_t>(padded * k + guard), sentinel);
+        K::pack_a(m, k, a.data(), lda, dst.data());
+        const auto where = ::testing::Message() << "m " << m << " k " << k << " mr " << K::mr;
+        for (Index s = 0; s < padded; s += K::mr) {
+          for (Index p = 0; p < k; ++p) {
+            for (Index i = 0; i < K::mr; ++i) {
+              const T want = s + i < m ? a[static_cast<std::size_t>((s + i) * lda + p)] : T(0);
+              ASSERT_EQ(dst[static_cast<std::size_t>(s * k + p * K::mr + i)], want) << where << " row " << s + i << " step " << p;
+            }
+          }
+        }
+        for (Index g = 0; g < guard; ++g) ASSERT_EQ(dst[static_cast<std::size_t>(padded * k + g)], sentinel) << where << " past the end " << g;
+      });
+    }
+  }
+}
+
 // The products run on the path sdpa::cpu_isa() names (ctest runs this file once per path the CPU has):
 // its register tile, whose rows decide the blocking.
 TEST(GemmIsa, FollowsTheChosenPath) {
   const std::string isa = sdpa::cpu_isa();
   const Index mr = gemm::blocking<float>().mr, nr = gemm::blocking<float>().nr;
   if (isa == "avx512") {
-    EXPECT_EQ(mr, 12);
-    EXPECT_EQ(nr, 32);
+    EXPECT_EQ(mr, 6);
+    EXPECT_EQ(nr, 64);
   } else if (isa == "avx2") {
     EXPECT_EQ(mr, 6);
     EXPECT_EQ(nr, 16);

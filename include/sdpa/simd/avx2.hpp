@@ -44,6 +44,7 @@ struct Vec<float> {
   using Mask = __m256i;
   static constexpr Eigen::Index width = 8;
   static constexpr Eigen::Index kGemmRows = 6;
+  static constexpr Eigen::Index kGemmVectors = 2;
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
   static Reg zero() noexcept { return _mm256_setzero_ps(); }
@@ -139,6 +140,7 @@ struct Vec<double> {
   using Mask = __m256i;
   static constexpr Eigen::Index width = 4;
   static constexpr Eigen::Index kGemmRows = 6;
+  static constexpr Eigen::Index kGemmVectors = 2;
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
   static Reg zero() noexcept { return _mm256_setzero_pd(); }
