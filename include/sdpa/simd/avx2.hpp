@@ -5,7 +5,7 @@
 // GEMM register tile: 6 rows x 2 ymm vectors (16 floats or 8 doubles), A values broadcast into a register
 // (AVX2 has no broadcast operand). Six rows give 12 accumulators, more than the 8 chains two FMA pipes of
 // latency 4 need (Zen 2/3/4, Haswell to Raptor Lake), and 12 + 2 B vectors + 1 broadcast fill 15 of the 16
-// ymm registers.
+// ymm registers. Loops over a fixed number of registers are unrolled by pragma, as in simd/avx512.hpp.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -104,16 +104,19 @@ struct Vec<float> {
   // r[i][j] becomes r[j][i]: 4 x 4 blocks inside 128-bit lanes, then the lanes.
   static void transpose(Reg (&r)[8]) noexcept {
     Reg t[8], u[8];
+#pragma GCC unroll 16
     for (int i = 0; i < 8; i += 2) {
       t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
       t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
+#pragma GCC unroll 16
     for (int i = 0; i < 8; i += 4) {
       u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
       u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
       u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
       u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
     }
+#pragma GCC unroll 16
     for (int x = 0; x < 4; ++x) {
       r[x] = _mm256_permute2f128_ps(u[x], u[x + 4], 0x20);
       r[x + 4] = _mm256_permute2f128_ps(u[x], u[x + 4], 0x31);
@@ -124,9 +127,11 @@ struct Vec<float> {
   static Reg sum_lanes(const Reg (&r)[8]) noexcept {
     const auto in = [&](int s) -> const Reg& { return r[4 * (s % 2) + s / 2]; };
     Reg t[4], v[2];
+#pragma GCC unroll 16
     for (int i = 0; i < 4; ++i)
       t[i] = _mm256_add_ps(_mm256_permute2f128_ps(in(2 * i), in(2 * i + 1), 0x20),
                            _mm256_permute2f128_ps(in(2 * i), in(2 * i + 1), 0x31));
+#pragma GCC unroll 16
     for (int i = 0; i < 2; ++i)
       v[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
     return _mm256_add_ps(_mm256_shuffle_ps(v[0], v[1], 0x88), _mm256_shuffle_ps(v[0], v[1], 0xDD));

@@ -11,6 +11,9 @@
 // at three quarters of the FMA peak on Sapphire Rapids); the 6 x kc A sliver stays in L1 while B slivers
 // stream from L2 (gemm/blocking.hpp). 64 columns also fit the tiled kernels' operands (d = 64, key blocks
 // of 256) without a ragged tile.
+//
+// Every loop over a fixed number of registers below is unrolled by pragma: at -O2 (how distributions build)
+// GCC otherwise kept sum_lanes' partial sums in a stack array, a fifth of a stored key's score.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -106,16 +109,19 @@ struct Vec<float> {
   static void transpose(Reg (&r)[16]) noexcept {
     constexpr Mask kAll = 0xFFFF;
     Reg t[16], u[16];
+#pragma GCC unroll 16
     for (int i = 0; i < 16; i += 2) {
       t[i] = _mm512_maskz_unpacklo_ps(kAll, r[i], r[i + 1]);
       t[i + 1] = _mm512_maskz_unpackhi_ps(kAll, r[i], r[i + 1]);
     }
+#pragma GCC unroll 16
     for (int i = 0; i < 16; i += 4) {
       u[i] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], 0x44);
       u[i + 1] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], 0xEE);
       u[i + 2] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0x44);
       u[i + 3] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0xEE);
     }
+#pragma GCC unroll 16
     for (int x = 0; x < 4; ++x) {
       const Reg a = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0x88),
                 b = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0x88);
@@ -134,12 +140,15 @@ struct Vec<float> {
     constexpr Mask kAll = 0xFFFF;
     const auto in = [&](int s) -> const Reg& { return r[4 * (s % 4) + s / 4]; };
     Reg t[8], u[4], v[2];
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i)  // 512 -> 256 bits per input: t[i] holds inputs 2i, 2i + 1
       t[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, in(2 * i), in(2 * i + 1), 0x44),
                            _mm512_maskz_shuffle_f32x4(kAll, in(2 * i), in(2 * i + 1), 0xEE));
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i)  // 256 -> 128: u[i] holds inputs 4i .. 4i + 3, one per 128-bit lane
       u[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, t[2 * i], t[2 * i + 1], 0x88),
                            _mm512_maskz_shuffle_f32x4(kAll, t[2 * i], t[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
     for (int i = 0; i < 2; ++i)  // 128 -> 64 inside each 128-bit lane
       v[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, u[2 * i], u[2 * i + 1], 0x44),
                            _mm512_maskz_shuffle_ps(kAll, u[2 * i], u[2 * i + 1], 0xEE));
@@ -176,16 +185,19 @@ struct Vec<double> {
   static void transpose(Reg (&r)[8]) noexcept {
     constexpr Mask kAll = 0xFF;
     Reg t[8], u[8];
+#pragma GCC unroll 16
     for (int i = 0; i < 8; i += 2) {
       t[i] = _mm512_maskz_unpacklo_pd(kAll, r[i], r[i + 1]);
       t[i + 1] = _mm512_maskz_unpackhi_pd(kAll, r[i], r[i + 1]);
     }
+#pragma GCC unroll 16
     for (int i = 0; i < 8; i += 4) {
       u[i] = _mm512_maskz_shuffle_f64x2(kAll, t[i], t[i + 2], 0x88);
       u[i + 1] = _mm512_maskz_shuffle_f64x2(kAll, t[i + 1], t[i + 3], 0x88);
       u[i + 2] = _mm512_maskz_shuffle_f64x2(kAll, t[i], t[i + 2], 0xDD);
       u[i + 3] = _mm512_maskz_shuffle_f64x2(kAll, t[i + 1], t[i + 3], 0xDD);
     }
+#pragma GCC unroll 16
     for (int x = 0; x < 4; ++x) {
       r[x] = _mm512_maskz_shuffle_f64x2(kAll, u[x], u[x + 4], 0x88);
       r[x + 4] = _mm512_maskz_shuffle_f64x2(kAll, u[x], u[x + 4], 0xDD);
@@ -196,9 +208,11 @@ struct Vec<double> {
     constexpr Mask kAll = 0xFF;
     const auto in = [&](int s) -> const Reg& { return r[2 * (s % 4) + s / 4]; };
     Reg t[4], u[2];
+#pragma GCC unroll 16
     for (int i = 0; i < 4; ++i)
       t[i] = _mm512_add_pd(_mm512_maskz_shuffle_f64x2(kAll, in(2 * i), in(2 * i + 1), 0x44),
                            _mm512_maskz_shuffle_f64x2(kAll, in(2 * i), in(2 * i + 1), 0xEE));
+#pragma GCC unroll 16
     for (int i = 0; i < 2; ++i)
       u[i] = _mm512_add_pd(_mm512_maskz_shuffle_f64x2(kAll, t[2 * i], t[2 * i + 1], 0x88),
                            _mm512_maskz_shuffle_f64x2(kAll, t[2 * i], t[2 * i + 1], 0xDD));
