@@ -612,6 +612,15 @@ TEST(GemmBlocking, FewChunksAreSharedEvenly) {
   EXPECT_EQ(rows.n_items, 1);
   EXPECT_EQ(rows.m_items, 2);
   // Chunks of two micro-tiles: three (160 columns) cannot become four of whole micro-tiles, and stay.
+  // Chunks of nc that would leave a narrow last one are evened out: 384 columns in chunks of at most 256
+  // become two of 192, not 256 and 128 (one worker would run twice the other's columns).
+  const gemm::detail::Split uneven(2450, 384, gemm::Blocking{6, 64, 5460, 1024, 256}, 2);
+  EXPECT_EQ(uneven.n_items, 2);
+  EXPECT_EQ(uneven.n_step, 192);
+  EXPECT_EQ(uneven.m_items, 1);
+  const gemm::detail::Split qkv(2450, 1152, gemm::Blocking{6, 64, 5460, 1024, 256}, 2);  // 5 chunks -> 6 of 192
+  EXPECT_EQ(qkv.n_items, 6);
+  EXPECT_EQ(qkv.n_step, 192);
   const gemm::detail::Split narrow(4096, 160, gemm::Blocking{12, 32, 4092, 512, 64}, 2);
   EXPECT_EQ(narrow.n_items, 3);
   EXPECT_EQ(narrow.n_step, 64);

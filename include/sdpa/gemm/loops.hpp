@@ -45,7 +45,7 @@ inline Eigen::Index ceil_div(Eigen::Index a, Eigen::Index b) noexcept { return (
 inline Eigen::Index round_up(Eigen::Index a, Eigen::Index b) noexcept { return ceil_div(a, b) * b; }
 
 // rows x cols of C as a grid of m_items x n_items work items of m_step x n_step (the last ones smaller).
-// Columns come in chunks of nc (a B block in L2). When that gives fewer than `wanted` items, the rows
+// Columns come in chunks of at most nc (a B block in L2), as even as multiples of nr make them. When that gives fewer than `wanted` items, the rows
 // split first, into pieces of at least kMinRows (each piece packs its B chunk again, which costs 1/(2 *
 // rows) of its products), and only then do the chunks shrink towards nr: a narrower chunk reuses each A
 // sliver for fewer tiles before the next one must come from L3. Both steps are multiples of the micro-tile.
@@ -59,6 +59,10 @@ struct Split {
     const Eigen::Index min_rows = round_up(kMinRows, bl.mr);
     const Eigen::Index max_pieces = std::max<Eigen::Index>(1, rows / min_rows);
     n_step = std::min(bl.nc, round_up(cols, bl.nr));
+    n_items = ceil_div(cols, n_step);
+    // As many chunks, of equal widths where the rounding to nr allows: 384 columns in chunks of 256 would
+    // be 256 and 128, and two workers would wait on the wider one.
+    n_step = std::max(bl.nr, round_up(ceil_div(cols, n_items), bl.nr));
     n_items = ceil_div(cols, n_step);
     const Eigen::Index pieces = std::min(max_pieces, ceil_div(wanted, n_items));
     if (pieces * n_items < wanted) {
