@@ -649,11 +649,13 @@ TYPED_TEST(GemmTest, PackedAStaysWithinItsSlivers) {
           for (Index p = 0; p < k; ++p) {
             for (Index i = 0; i < K::mr; ++i) {
               const T want = s + i < m ? a[static_cast<std::size_t>((s + i) * lda + p)] : T(0);
-              ASSERT_EQ(dst[static_cast<std::size_t>(s * k + p * K::mr + i)], want) << where << " row " << s + i << " step " << p;
+              ASSERT_EQ(dst[static_cast<std::size_t>(s * k + p * K::mr + i)], want)
+                  << where << " row " << s + i << " step " << p;
             }
           }
         }
-        for (Index g = 0; g < guard; ++g) ASSERT_EQ(dst[static_cast<std::size_t>(padded * k + g)], sentinel) << where << " past the end " << g;
+        for (Index g = 0; g < guard; ++g)
+          ASSERT_EQ(dst[static_cast<std::size_t>(padded * k + g)], sentinel) << where << " past the end " << g;
       });
     }
   }

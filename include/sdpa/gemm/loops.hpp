@@ -45,10 +45,11 @@ inline Eigen::Index ceil_div(Eigen::Index a, Eigen::Index b) noexcept { return (
 inline Eigen::Index round_up(Eigen::Index a, Eigen::Index b) noexcept { return ceil_div(a, b) * b; }
 
 // rows x cols of C as a grid of m_items x n_items work items of m_step x n_step (the last ones smaller).
-// Columns come in chunks of at most nc (a B block in L2), as even as multiples of nr make them. When that gives fewer than `wanted` items, the rows
-// split first, into pieces of at least kMinRows (each piece packs its B chunk again, which costs 1/(2 *
-// rows) of its products), and only then do the chunks shrink towards nr: a narrower chunk reuses each A
-// sliver for fewer tiles before the next one must come from L3. Both steps are multiples of the micro-tile.
+// Columns come in chunks of at most nc (a B block in L2), as even as multiples of nr make them. When that
+// gives fewer than `wanted` items, the rows split first, into pieces of at least kMinRows (each piece packs
+// its B chunk again, which costs 1/(2 * rows) of its products), and only then do the chunks shrink towards
+// nr: a narrower chunk reuses each A sliver for fewer tiles before the next one must come from L3. Both
+// steps are multiples of the micro-tile.
 struct Split {
   static constexpr Eigen::Index kMinRows = 64;
   Eigen::Index m_step = 0, n_step = 0, m_items = 0, n_items = 0;
