@@ -626,6 +626,33 @@ TEST(GemmBlocking, FewChunksAreSharedEvenly) {
   EXPECT_EQ(narrow.n_step, 64);
 }
 
+// A right edge of at most half a tile runs a tile of half the vectors; its columns get the bits the full
+// tile gives them when the product is wider (the same products in the same order).
+TYPED_TEST(GemmTest, NarrowEdgeTileGivesTheFullTilesBits) {
+  using Scalar = TypeParam;
+  if (sdpa::active_isa() == sdpa::Isa::kPortable) GTEST_SKIP() << "Eigen's products may round by shape";
+  const Index nr = gemm::blocking<Scalar>().nr;
+  std::mt19937 gen(17);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (const Index m : {Index(1), Index(7), Index(40)}) {
+    for (const Index k : {Index(3), Index(64), Index(300)}) {
+      const Index wide = 2 * nr;
+      std::vector<Scalar> a(to_size(m * k)), b(to_size(wide * k));
+      for (Scalar& x : a) x = Scalar(u(gen));
+      for (Scalar& x : b) x = Scalar(u(gen));
+      std::vector<Scalar> full(to_size(m * wide));
+      gemm::gemm_nt(m, wide, k, Scalar(1), a.data(), k, b.data(), k, Scalar(0), full.data(), wide);
+      for (const Index n : {nr + 1, nr + nr / 2 - 1, nr + nr / 2}) {  // edges of 1 .. nr / 2 columns
+        std::vector<Scalar> narrow(to_size(m * n));
+        gemm::gemm_nt(m, n, k, Scalar(1), a.data(), k, b.data(), k, Scalar(0), narrow.data(), n);
+        for (Index i = 0; i < m; ++i)
+          ASSERT_EQ(std::memcmp(narrow.data() + i * n, full.data() + i * wide, to_size(n) * sizeof(Scalar)), 0)
+              << "m " << m << " k " << k << " n " << n << " row " << i;
+      }
+    }
+  }
+}
+
 // Every path's packing of A writes its slivers and nothing past them: each sliver of mr rows holds, step
 // by step, the rows' values (zeros past the last row), in a buffer whose end is followed by sentinels. A
 // sliver narrower than a vector (6 floats in 16 lanes) is stored with whole vectors that spill into the

@@ -140,15 +140,15 @@ struct Vec<float> {
     constexpr Mask kAll = 0xFFFF;
     const auto in = [&](int s) -> const Reg& { return r[4 * (s % 4) + s / 4]; };
     Reg t[8], u[4], v[2];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int i = 0; i < 8; ++i)  // 512 -> 256 bits per input: t[i] holds inputs 2i, 2i + 1
       t[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, in(2 * i), in(2 * i + 1), 0x44),
                            _mm512_maskz_shuffle_f32x4(kAll, in(2 * i), in(2 * i + 1), 0xEE));
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int i = 0; i < 4; ++i)  // 256 -> 128: u[i] holds inputs 4i .. 4i + 3, one per 128-bit lane
       u[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, t[2 * i], t[2 * i + 1], 0x88),
                            _mm512_maskz_shuffle_f32x4(kAll, t[2 * i], t[2 * i + 1], 0xDD));
-#pragma GCC unroll 2
+#pragma GCC unroll 16
     for (int i = 0; i < 2; ++i)  // 128 -> 64 inside each 128-bit lane
       v[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, u[2 * i], u[2 * i + 1], 0x44),
                            _mm512_maskz_shuffle_ps(kAll, u[2 * i], u[2 * i + 1], 0xEE));
