@@ -653,6 +653,50 @@ TYPED_TEST(GemmTest, NarrowEdgeTileGivesTheFullTilesBits) {
   }
 }
 
+// A full tile (on AVX-512 its k loop is assembly, sdpa/simd/avx512_tile.hpp, from a depth of 256) gives
+// each row the bits that a one-row edge tile (the intrinsics' loop) gives it, with A packed or in place,
+// for depths with and without a remainder of k steps past a multiple of four, and columns with an edge.
+TYPED_TEST(GemmTest, FullTileGivesTheEdgeTilesBits) {
+  using T = TypeParam;
+  std::mt19937 gen(29);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  sdpa::simd::with_gemm_kernel<T>(sdpa::active_isa(), [&](auto kernel) {
+    using K = decltype(kernel);
+    if constexpr (K::kShapeDependentRounding) {
+      GTEST_SKIP() << "Eigen's products may round by shape";
+    } else {
+      const Index kc_max = sdpa::gemm::blocking<T>().kc;
+      for (const Index m : {Index(6), Index(13)}) {
+        for (const Index k : {Index(255), Index(256), Index(301), Index(kc_max)}) {
+          const Index n = 2 * K::nr + 5, lda = k + 3;
+          std::vector<T> a(to_size(m * lda)), b(to_size(n * k));
+          for (T& x : a) x = T(u(gen));
+          for (T& x : b) x = T(u(gen));
+          const Index padded_n = (n + K::nr - 1) / K::nr * K::nr;
+          std::unique_ptr<T[]> pb_store(new T[to_size(padded_n * k + 64)]);
+          T* pb = pb_store.get();
+          while (reinterpret_cast<std::uintptr_t>(pb) % 64 != 0) ++pb;
+          K::template pack_b_rows<T>(n, k, b.data(), k, pb);
+          const Index padded_m = (m + K::mr - 1) / K::mr * K::mr;
+          std::vector<T> pa(to_size(padded_m * k));
+          K::pack_a(m, k, a.data(), lda, pa.data());
+          const sdpa::gemm::detail::Epilogue<T> ep{T(1), T(0), nullptr, true};
+          std::vector<T> packed(to_size(m * n)), in_place(to_size(m * n)), rows(to_size(m * n));
+          K::block(k, m, n, pa.data(), pb, packed.data(), n, ep);
+          K::block_rows(k, m, n, a.data(), lda, pb, in_place.data(), n, ep);
+          for (Index i = 0; i < m; ++i)
+            K::block_in_place(k, 1, n, a.data() + i * lda, lda, pb, rows.data() + i * n, n, ep);
+          for (Index i = 0; i < m; ++i) {
+            const auto where = ::testing::Message() << "m " << m << " k " << k << " row " << i;
+            ASSERT_EQ(std::memcmp(packed.data() + i * n, rows.data() + i * n, to_size(n) * sizeof(T)), 0) << where;
+            ASSERT_EQ(std::memcmp(in_place.data() + i * n, rows.data() + i * n, to_size(n) * sizeof(T)), 0) << where;
+          }
+        }
+      }
+    }
+  });
+}
+
 // Every path's packing of A writes its slivers and nothing past them: each sliver of mr rows holds, step
 // by step, the rows' values (zeros past the last row), in a buffer whose end is followed by sentinels. A
 // sliver narrower than a vector (6 floats in 16 lanes) is stored with whole vectors that spill into the

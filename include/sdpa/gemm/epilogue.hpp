@@ -57,6 +57,16 @@ struct LinePrefetch {
     }
     return line;
   }
+  // The next n lines of next() into dst, and `pad` for each call past the last.
+  void take(const void** dst, Eigen::Index n, const void* pad) noexcept {
+    Eigen::Index i = 0;
+    for (; i < n && row < rows; ++row, done = 0) {
+      const Scalar* segment = base + row * ld;
+      for (; i < n && done < width; ++i, done += kLine) dst[i] = segment + done;
+      if (done < width) return;
+    }
+    for (; i < n; ++i) dst[i] = pad;
+  }
 };
 
 template <typename Scalar>

@@ -42,6 +42,8 @@
 SDPA_NAMESPACE_BEGIN
 namespace avx512 {
 
+#include "sdpa/simd/avx512_tile.hpp"
+
 template <typename Scalar>
 struct Vec;
 
@@ -53,6 +55,13 @@ struct Vec<float> {
   static constexpr Eigen::Index width = 16;
   static constexpr Eigen::Index kGemmRows = 6;
   static constexpr Eigen::Index kGemmVectors = 4;
+  // The full tile's k loop in assembly (sdpa/simd/avx512_tile.hpp).
+  static constexpr bool kHasTileKLoop = true;
+  template <long StepBytes>
+  SDPA_ALWAYS_INLINE static void tile_k_loop(Eigen::Index kc, const float* a0, Eigen::Index row_bytes, const float* b,
+                                             const void* const* pf, Eigen::Index pf_stride, float* out) noexcept {
+    gemm_tile_k_loop<float, StepBytes>(kc, a0, row_bytes, b, pf, pf_stride, out);
+  }
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
   static Reg zero() noexcept { return _mm512_setzero_ps(); }
@@ -164,6 +173,13 @@ struct Vec<double> {
   static constexpr Eigen::Index width = 8;
   static constexpr Eigen::Index kGemmRows = 6;
   static constexpr Eigen::Index kGemmVectors = 4;
+  // The full tile's k loop in assembly (sdpa/simd/avx512_tile.hpp).
+  static constexpr bool kHasTileKLoop = true;
+  template <long StepBytes>
+  SDPA_ALWAYS_INLINE static void tile_k_loop(Eigen::Index kc, const double* a0, Eigen::Index row_bytes, const double* b,
+                                             const void* const* pf, Eigen::Index pf_stride, double* out) noexcept {
+    gemm_tile_k_loop<double, StepBytes>(kc, a0, row_bytes, b, pf, pf_stride, out);
+  }
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
   static Reg zero() noexcept { return _mm512_setzero_pd(); }
