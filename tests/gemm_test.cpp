@@ -653,7 +653,7 @@ TYPED_TEST(GemmTest, NarrowEdgeTileGivesTheFullTilesBits) {
   }
 }
 
-// A full tile (on AVX-512 its k loop is assembly, sdpa/simd/avx512_tile.hpp, from a depth of 256) gives
+// A full tile (on AVX-512 its k loop is assembly, sdpa/simd/avx512_tile.hpp, from a depth of 384) gives
 // each row the bits that a one-row edge tile (the intrinsics' loop) gives it, with A packed or in place,
 // for depths with and without a remainder of k steps past a multiple of four, and columns with an edge.
 TYPED_TEST(GemmTest, FullTileGivesTheEdgeTilesBits) {
@@ -667,7 +667,7 @@ TYPED_TEST(GemmTest, FullTileGivesTheEdgeTilesBits) {
     } else {
       const Index kc_max = sdpa::gemm::blocking<T>().kc;
       for (const Index m : {Index(6), Index(13)}) {
-        for (const Index k : {Index(255), Index(256), Index(301), Index(kc_max)}) {
+        for (const Index k : {Index(255), Index(383), Index(384), Index(385), Index(387), Index(kc_max)}) {
           const Index n = 2 * K::nr + 5, lda = k + 3;
           std::vector<T> a(to_size(m * lda)), b(to_size(n * k));
           for (T& x : a) x = T(u(gen));
@@ -695,6 +695,36 @@ TYPED_TEST(GemmTest, FullTileGivesTheEdgeTilesBits) {
       }
     }
   });
+}
+
+// LinePrefetch's remaining() and advance(n), which the assembly tile uses to walk the lines itself, agree
+// with n calls of next(): from the start and from the middle of a segment, over segments of whole and
+// partial lines.
+TYPED_TEST(GemmTest, LinePrefetchAdvanceMatchesNext) {
+  using T = TypeParam;
+  std::vector<T> buffer(4000);
+  for (const Index width : {Index(5), Index(16), Index(17), Index(100)}) {
+    for (const Index rows : {Index(1), Index(3)}) {
+      for (const Index skip : {Index(0), Index(1), Index(2)}) {
+        for (const Index n : {Index(0), Index(1), Index(2), Index(7), Index(30)}) {
+          gemm::detail::LinePrefetch<T> walked{buffer.data(), 1000, rows, width, 0, 0};
+          for (Index i = 0; i < skip; ++i) walked.next();
+          gemm::detail::LinePrefetch<T> jumped = walked, counted = walked;
+          Index total = 0;
+          while (counted.next() != nullptr) ++total;
+          const auto where = ::testing::Message()
+                             << "width " << width << " rows " << rows << " skip " << skip << " n " << n;
+          ASSERT_EQ(walked.remaining(), total) << where;
+          const Index steps = std::min(n, total);
+          for (Index i = 0; i < steps; ++i) walked.next();
+          jumped.advance(steps);
+          ASSERT_EQ(jumped.row, walked.row) << where;
+          ASSERT_EQ(jumped.done, walked.done) << where;
+          ASSERT_EQ(jumped.remaining(), total - steps) << where;
+        }
+      }
+    }
+  }
 }
 
 // Every path's packing of A writes its slivers and nothing past them: each sliver of mr rows holds, step

@@ -5,7 +5,8 @@
 //       stays there while the B slivers of a whole block stream past it (the other half is for them);
 //       rounded down to a multiple of 8, within [16, 1024]. Float, AVX-512, mr = 6: 1024; double: 512.
 //   nc  the packed B block (kc x nc) that each worker sweeps once per A sliver takes at most half of L2;
-//       rounded down to a multiple of nr. Float, AVX-512: 128 on a 1 MiB L2, 256 on a 2 MiB one.
+//       rounded down to a multiple of nr. Float, AVX-512: 128 on a 1 MiB L2, 256 on a 2 MiB one. gemm_loops
+//       widens it for a product shallower than kc, keeping the block's bytes.
 //   mc  the block of A (mc x kc, read in place by gemm_loops, packed by PackedA) that all workers share
 //       takes at most half of min(L3, 32 MiB): the cap because a VM's L3 figure may be the whole host's,
 //       and a block past a few MiB buys nothing (B is packed once per mc rows, so its cost falls as 1/mc);

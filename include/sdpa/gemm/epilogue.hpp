@@ -57,15 +57,19 @@ struct LinePrefetch {
     }
     return line;
   }
-  // The next n lines of next() into dst, and `pad` for each call past the last.
-  void take(const void** dst, Eigen::Index n, const void* pad) noexcept {
-    Eigen::Index i = 0;
-    for (; i < n && row < rows; ++row, done = 0) {
-      const Scalar* segment = base + row * ld;
-      for (; i < n && done < width; ++i, done += kLine) dst[i] = segment + done;
-      if (done < width) return;
-    }
-    for (; i < n; ++i) dst[i] = pad;
+  // For a loop that walks the lines itself: lines per segment, the lines next() has still to give, and
+  // the state after n more calls of next() (at most remaining()).
+  Eigen::Index lines_per_segment() const noexcept { return (width + kLine - 1) / kLine; }
+  Eigen::Index remaining() const noexcept {
+    const Eigen::Index per = lines_per_segment();
+    return row >= rows || per <= 0 ? 0 : (rows - row) * per - done / kLine;
+  }
+  void advance(Eigen::Index n) noexcept {
+    const Eigen::Index per = lines_per_segment();
+    if (per <= 0) return;
+    const Eigen::Index position = row * per + done / kLine + n;
+    row = position / per;
+    done = position % per * kLine;
   }
 };
 

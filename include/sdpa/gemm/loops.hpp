@@ -159,8 +159,12 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
     for (std::size_t o = 0; o < count; ++o) scale_only(m, outputs[o].n, beta, outputs[o].bias, outputs[o].c, outputs[o].ldc);
     return;
   }
-  const Blocking& bl = blocking_of<K, Scalar>();
+  Blocking bl = blocking_of<K, Scalar>();
   const Index kc = std::min(bl.kc, k);
+  // The B block keeps the bytes blocking.hpp gives it (half of L2) at the depth this product has: one
+  // shallower than kc (a projection from d_model 512 when kc is 1024) gets proportionally wider chunks, and
+  // A is read from L3 once per chunk, so half as often. Columns only: no element's k order changes.
+  bl.nc = std::max(bl.nr, bl.nc * bl.kc / kc / bl.nr * bl.nr);
   const Index mc = std::min(bl.mc, m);
   const Index wanted = min_items<K>(worker_count(device));
   // The split of each output over the first row block: how many items, and the widest B block.

@@ -57,10 +57,10 @@ struct Vec<float> {
   static constexpr Eigen::Index kGemmVectors = 4;
   // The full tile's k loop in assembly (sdpa/simd/avx512_tile.hpp).
   static constexpr bool kHasTileKLoop = true;
+  using TileLoopArgs = avx512::TileLoopArgs;
   template <long StepBytes>
-  SDPA_ALWAYS_INLINE static void tile_k_loop(Eigen::Index kc, const float* a0, Eigen::Index row_bytes, const float* b,
-                                             const void* const* pf, Eigen::Index pf_stride, float* out) noexcept {
-    gemm_tile_k_loop<float, StepBytes>(kc, a0, row_bytes, b, pf, pf_stride, out);
+  SDPA_ALWAYS_INLINE static void tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][4]) noexcept {
+    gemm_tile_k_loop<float, StepBytes>(args, acc);
   }
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
@@ -175,10 +175,10 @@ struct Vec<double> {
   static constexpr Eigen::Index kGemmVectors = 4;
   // The full tile's k loop in assembly (sdpa/simd/avx512_tile.hpp).
   static constexpr bool kHasTileKLoop = true;
+  using TileLoopArgs = avx512::TileLoopArgs;
   template <long StepBytes>
-  SDPA_ALWAYS_INLINE static void tile_k_loop(Eigen::Index kc, const double* a0, Eigen::Index row_bytes, const double* b,
-                                             const void* const* pf, Eigen::Index pf_stride, double* out) noexcept {
-    gemm_tile_k_loop<double, StepBytes>(kc, a0, row_bytes, b, pf, pf_stride, out);
+  SDPA_ALWAYS_INLINE static void tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][4]) noexcept {
+    gemm_tile_k_loop<double, StepBytes>(args, acc);
   }
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
