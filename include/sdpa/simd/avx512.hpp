@@ -58,7 +58,7 @@ struct Vec<float> {
   // The full tile's k loop in assembly (sdpa/simd/avx512_tile.hpp).
   static constexpr bool kHasTileKLoop = true;
   using TileLoopArgs = avx512::TileLoopArgs;
-  template <long StepBytes>
+  template <std::int64_t StepBytes>
   SDPA_ALWAYS_INLINE static void tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][4]) noexcept {
     gemm_tile_k_loop<float, StepBytes>(args, acc);
   }
@@ -176,7 +176,7 @@ struct Vec<double> {
   // The full tile's k loop in assembly (sdpa/simd/avx512_tile.hpp).
   static constexpr bool kHasTileKLoop = true;
   using TileLoopArgs = avx512::TileLoopArgs;
-  template <long StepBytes>
+  template <std::int64_t StepBytes>
   SDPA_ALWAYS_INLINE static void tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][4]) noexcept {
     gemm_tile_k_loop<double, StepBytes>(args, acc);
   }

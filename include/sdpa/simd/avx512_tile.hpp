@@ -17,7 +17,7 @@
 //   after every 4 steps, while args.rows_left > 0: one prefetch to L2 of the line at args.line, which then
 //   advances by 64 bytes; after args.seg_left lines it skips args.seg_skip bytes, the next segment has
 //   args.seg_lines lines, and rows_left counts down the segments;
-//   acc[r][v] receives the sum over the args.kc steps (zeroed first).
+//   acc[r][v] receives the sum over 4 * args.iterations + args.rem steps (zeroed first).
 // Registers: the accumulators wherever the compiler puts them (the only 24 zmm registers it has left: the
 // others are clobbered), B zmm24-27, broadcasts zmm28-31; the arguments in fixed general registers.
 #pragma once
@@ -25,19 +25,19 @@
 // The loop's arguments, read from memory by the asm statement (one operand instead of eleven, which leaves
 // room for the 24 accumulator outputs within GCC's limit of 30 operands).
 struct TileLoopArgs {
-  const char* a;        // r8
-  const char* a3;       // r9: a + 3 * row_bytes
-  long row_bytes;       // r10
-  const char* b;        // r11
-  long iterations;      // r12: kc / 4
-  long rem;             // r13: kc % 4
-  const char* line;     // rax
-  long seg_left;        // rcx
-  long seg_lines;       // rdx
-  long seg_skip;        // rsi
-  long rows_left;       // rdi
+  const char* a;             // r8
+  const char* a3;            // r9: a + 3 * row_bytes
+  std::int64_t row_bytes;    // r10
+  const char* b;             // r11
+  std::int64_t iterations;   // r12: kc / 4
+  std::int64_t rem;          // r13: kc % 4
+  const char* line;          // rax
+  std::int64_t seg_left;     // rcx
+  std::int64_t seg_lines;    // rdx
+  std::int64_t seg_skip;     // rsi
+  std::int64_t rows_left;    // rdi
 };
-static_assert(sizeof(long) == 8 && sizeof(const char*) == 8 && offsetof(TileLoopArgs, rows_left) == 80,
+static_assert(sizeof(const char*) == 8 && offsetof(TileLoopArgs, rows_left) == 80,
               "TileLoopArgs: the asm statement reads its fields at offsets 0, 8, ..., 80");
 
 #define SDPA_DETAIL_TILE_B(u, PS)                  \
@@ -122,7 +122,7 @@ static_assert(sizeof(long) == 8 && sizeof(const char*) == 8 && offsetof(TileLoop
     "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", "xmm31"
 
 // The loop for Scalar (float or double; Reg its __m512 type); see the contract above.
-template <typename Scalar, long StepBytes, typename Reg>
+template <typename Scalar, std::int64_t StepBytes, typename Reg>
 SDPA_ALWAYS_INLINE void gemm_tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][4]) noexcept {
   static_assert(std::is_same<Scalar, float>::value || std::is_same<Scalar, double>::value,
                 "gemm_tile_k_loop: float or double");
