@@ -355,6 +355,20 @@ class TiledForward {
   Index finite_bh_ = -1, finite_k0_ = -1, finite_lo_ = 0, finite_hi_ = 0;
 };
 
+// Asks for the cache lines of [p, p + bytes) to be brought to L2: a hint, nothing where the compiler offers
+// no prefetch. Inlined into its caller's loop, and so is that loop's lambda: out of line, GCC 12 finds the
+// function free of side effects (a prefetch has none it counts) and drops every call to it at -O3.
+SDPA_ALWAYS_INLINE void prefetch_l2(const void* p, std::size_t bytes) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 2);
+  if (bytes > 0) __builtin_prefetch(c + bytes - 1, 0, 2);  // the last line, where p is not on a line start
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 // The block sizes a problem runs with: the config's fields, zero ones derived from the caches, each no
 // larger than its sequence, and query groups made smaller when there would be too few of them to keep
 // every worker busy. (Groups change which blocks share packed operands, never a row's arithmetic.)
@@ -416,6 +430,28 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
   const Index grain = balanced_grain(device, units, 4);
   const Visibility<Scalar> visibility(p, device);
   const ScorePipeline<Scalar> pipeline(visibility);
+  // The rows a unit reads and writes (its queries and output rows, every key and value row of its head)
+  // are brought to L2 while the unit before it computes, when they take at most an eighth of L2: a short
+  // sequence's unit (the 50 x 49 shapes: 49 rows) otherwise waits on them, since they lie a row stride
+  // apart in the projection's buffers (a page or more per row, beyond what the hardware prefetcher
+  // follows) and come from L3 or memory, the projection having written megabytes after them. (Issued in
+  // one go; spread over the unit's softmax rows instead, they measured the same.) Stored and paged keys
+  // are gathered block by block instead (TileScorer). A hint only: no result depends on it.
+  const Index row_bytes = (p.d_k + p.d_v) * static_cast<Index>(sizeof(Scalar));
+  const bool prefetch_next = !p.stored() && !p.paged() && units > 1 &&
+                             (std::min(span, p.nq) + p.nk) * row_bytes <= static_cast<Index>(Eigen::l2CacheSize()) / 8;
+  const auto prefetch_unit = [&](Index u) SDPA_ALWAYS_INLINE_LAMBDA {
+    const Index bh = u / groups, q0 = u % groups * span, rows = std::min(span, p.nq - q0);
+    const Index b = bh / p.heads, h = bh % p.heads;
+    const std::size_t q_bytes = static_cast<std::size_t>(p.d_k) * sizeof(Scalar);
+    const std::size_t v_bytes = static_cast<std::size_t>(p.d_v) * sizeof(Scalar);
+    for (Index i = q0; i < q0 + rows; ++i) prefetch_l2(p.q.row(b, h, i), q_bytes);
+    for (Index j = 0; j < p.nk; ++j) {
+      prefetch_l2(p.key_row(b, h, j), q_bytes);
+      prefetch_l2(p.value_row(b, h, j), v_bytes);
+    }
+    for (Index i = q0; i < q0 + rows; ++i) prefetch_l2(p.out.row(b, h, i), v_bytes);
+  };
   std::atomic<Index> computed{0}, skipped{0};
   parallel_for_with_state(
       device, units, grain, [&] { return TiledForward<Scalar>(pipeline, c); },
@@ -423,6 +459,7 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
         for (Index u = u0; u < u1; ++u) {
           const Index bh = u / groups, g = u % groups;
           const Index q0 = g * span;
+          if (prefetch_next && u + 1 < units) prefetch_unit(u + 1);
           worker.run(bh / p.heads, bh % p.heads, q0, std::min(span, p.nq - q0));
         }
       },
