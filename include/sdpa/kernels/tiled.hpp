@@ -95,7 +95,12 @@ class TileScorer {
     Index lo = std::numeric_limits<Index>::max(), hi = std::numeric_limits<Index>::min();
     for (Index i = 0; i < rows; ++i) {
       const KeyRange r = vis_.row(b, h, q0 + i);
-      ranges_[static_cast<std::size_t>(i)] = r;
+      // Field by field: GCC 12 copied the whole struct through the stack, a wide load right after the
+      // narrower stores that built it (a store-forwarding stall per row; the same in classify).
+      KeyRange& kept = ranges_[static_cast<std::size_t>(i)];
+      kept.lo = r.lo;
+      kept.hi = r.hi;
+      kept.solid = r.solid;
       if (r.empty()) continue;
       lo = std::min(lo, r.lo);
       hi = std::max(hi, r.hi);
@@ -175,7 +180,10 @@ class TileScorer {
     t.j1 = 0;
     for (Index i = 0; i < t.rows; ++i) {
       const Segment seg = vis_.segment(ranges_[static_cast<std::size_t>(t.r0 + i)], t.b, t.h, t.q0 + t.r0 + i, t.k0, t.cols);
-      segments_[static_cast<std::size_t>(i)] = seg;
+      Segment& kept = segments_[static_cast<std::size_t>(i)];
+      kept.lo = seg.lo;
+      kept.hi = seg.hi;
+      kept.solid = seg.solid;
       if (seg.none()) continue;
       t.i0 = std::min(t.i0, i);
       t.i1 = i + 1;

@@ -133,7 +133,13 @@ class Visibility {
       r.hi = std::min(r.hi, m.hi);
       r.solid = m.solid;
     }
-    if (r.empty()) return KeyRange{};
+    // One return, field by field: with two, GCC 12 built the struct on the stack and its callers read it
+    // back with a wider load than the stores that wrote it (a store-forwarding stall per row).
+    if (r.empty()) {
+      r.lo = 0;
+      r.hi = 0;
+      r.solid = true;
+    }
     return r;
   }
 
