@@ -435,6 +435,55 @@ TYPED_TEST(TiledTest, KeyPaddingMaskNeverReadsThePaddedKeys) {
   EXPECT_TRUE(outputs_match(run_tiled(*t, nullptr, TileConfig{}), ref));
 }
 
+// The finiteness test behind the hidden-key rule, against std::isfinite: every non-finite value (NaN,
+// both infinities) at every position of rows of 1 to 37 values is found, and the finite extremes (zeros,
+// denormals, the largest values) are not taken for one.
+TYPED_TEST(TiledTest, RowFiniteFindsEveryNonFiniteValue) {
+  using T = TypeParam;
+  using L = std::numeric_limits<T>;
+  const T finite[] = {T(0), -T(0), L::denorm_min(), -L::denorm_min(), L::min(), L::max(), L::lowest(), T(1)};
+  const T special[] = {L::quiet_NaN(), -L::quiet_NaN(), L::infinity(), -L::infinity()};
+  for (Index n = 1; n <= 37; ++n) {
+    std::vector<T> row(static_cast<std::size_t>(n));
+    for (Index i = 0; i < n; ++i) row[static_cast<std::size_t>(i)] = finite[i % 8];
+    EXPECT_TRUE(sdpa::kernels::row_finite(row.data(), n)) << "n " << n;
+    for (Index at = 0; at < n; ++at)
+      for (T x : special) {
+        std::vector<T> bad = row;
+        bad[static_cast<std::size_t>(at)] = x;
+        ASSERT_FALSE(std::isfinite(x));
+        EXPECT_FALSE(sdpa::kernels::row_finite(bad.data(), n)) << "n " << n << " at " << at << " value " << x;
+      }
+  }
+}
+
+// Keys hidden from every query inside causal tiles hold NaN and infinity in their value rows: the output
+// is the one with finite values there. Key 30 lies in the part of its key block (24 to 31) that the
+// query block 28 to 31 reaches beyond the block 24 to 27 of its group (blocks of 4 queries and 8 keys,
+// groups of 3): the keys known finite from the first tile do not cover it, and it must still be read.
+TYPED_TEST(TiledTest, NonFiniteValuesOfHiddenKeysInsideCausalTiles) {
+  using T = TypeParam;
+  Spec s;
+  s.nq = 40;
+  s.nk = 40;
+  auto t = make_problem<T>(s);
+  sdpa::Mask mask = sdpa::causal_mask(s.nq, s.nk);
+  for (Index i = 0; i < s.nq; ++i)
+    for (Index j : {17, 30}) mask(0, 0, i, j) = true;
+  set_mask(*t, mask);
+  const std::vector<T> ref = run_reference(*t);
+  for (Index b = 0; b < s.batch; ++b)
+    for (Index h = 0; h < s.heads; ++h) {
+      std::fill_n(const_cast<T*>(t->p.v.row(b, h, 17)), s.d_v, std::numeric_limits<T>::quiet_NaN());
+      std::fill_n(const_cast<T*>(t->p.v.row(b, h, 30)), s.d_v, std::numeric_limits<T>::infinity());
+    }
+  for (const TileConfig& c : {kTiny, kTinyGroups, TileConfig{4, 16, 4}, TileConfig{}}) {
+    const std::vector<T> got = run_tiled(*t, nullptr, c);
+    for (T x : got) ASSERT_TRUE(std::isfinite(x));
+    EXPECT_TRUE(outputs_match(got, ref));
+  }
+}
+
 TYPED_TEST(TiledTest, FullyMaskedRowsFollowThePolicy) {
   using T = TypeParam;
   for (MaskedRows policy : {MaskedRows::kZero, MaskedRows::kNaN}) {

@@ -378,7 +378,7 @@ class TiledBackward {
 
   bool keys_finite(const Scalar* k, Index nj) const {
     for (Index j = 0; j < nj; ++j)
-      if (!ConstRow(k + j * p_.k.row_stride, p_.d_k).allFinite()) return false;
+      if (!row_finite(k + j * p_.k.row_stride, p_.d_k)) return false;
     return true;
   }
 

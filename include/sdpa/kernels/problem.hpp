@@ -17,6 +17,10 @@
 #include "sdpa/storage.hpp"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
 
 SDPA_NAMESPACE_BEGIN
 namespace kernels {
@@ -113,6 +117,27 @@ struct AttentionProblem {
   Index kv_heads() const noexcept { return heads / kv_group; }
   bool stored() const noexcept { return kv_storage != native_storage<Scalar>(); }
 };
+
+// Whether the n values at x are all finite: the test behind the tiled kernels' rule that a hidden key
+// passes nothing, not even a NaN or infinity in its value (forward) or key (backward) row, which the
+// products would spread as 0 * NaN. On the exponent bits with integer operations, which compilers
+// vectorise: Eigen's allFinite ran as a scalar subtract-and-compare per value, 7.5% of a causal forward.
+template <typename Scalar>
+bool row_finite(const Scalar* x, Eigen::Index n) noexcept {
+  static_assert(sizeof(Scalar) == 4 || sizeof(Scalar) == 8, "sdpa::kernels::row_finite: float or double");
+  using Bits = std::conditional_t<sizeof(Scalar) == 4, std::uint32_t, std::uint64_t>;
+  constexpr int kFraction = std::numeric_limits<Scalar>::digits - 1;
+  constexpr Bits kExponent = (~Bits{0} >> 1) & ~((Bits{1} << kFraction) - 1);
+  constexpr Bits kExponentOne = Bits{1} << kFraction;
+  // exponent + its lowest bit carries into the sign bit exactly when the exponent is all ones.
+  Bits carries = 0;
+  for (Eigen::Index i = 0; i < n; ++i) {
+    Bits bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    carries |= (bits & kExponent) + kExponentOne;
+  }
+  return (carries >> (8 * sizeof(Bits) - 1)) == 0;
+}
 
 }  // namespace kernels
 SDPA_NAMESPACE_END

@@ -319,8 +319,10 @@ class TiledForward {
 
   // Whether the v rows of the tile's computed keys [j0, j1) are all finite (only asked for tiles with
   // hidden keys inside their rectangle; keys outside it may not even be projected).
-  // The answer is remembered per key block as the interval of its keys known finite: the query blocks of a
-  // group visit each key block in turn, and under a window or causal mask nearly every tile has hidden keys.
+  // The answer is remembered per key block as the interval of its keys known finite, and a tile whose keys
+  // overlap or adjoin it reads only the rows it adds: the query blocks of a group visit each key block in
+  // turn, and under a window or causal mask nearly every tile has hidden keys (a causal group's diagonal
+  // tiles reach 64, 128, ... keys further each).
   bool values_finite(const Tile<Scalar>& t) {
     const Index bh = t.b * p_.heads + t.h;
     if (bh != finite_bh_ || t.k0 != finite_k0_) {
@@ -328,17 +330,20 @@ class TiledForward {
       finite_k0_ = t.k0;
       finite_lo_ = finite_hi_ = 0;
     }
-    if (finite_lo_ <= t.j0 && t.j1 <= finite_hi_) return true;
-    for (Index j = t.j0; j < t.j1; ++j)
-      if (!Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>(scorer_.value_row(t.b, t.h, t.k0 + j), p_.d_v).allFinite())
-        return false;
+    const auto finite = [&](Index j0, Index j1) {
+      for (Index j = j0; j < j1; ++j)
+        if (!row_finite(scorer_.value_row(t.b, t.h, t.k0 + j), p_.d_v)) return false;
+      return true;
+    };
     if (finite_hi_ <= finite_lo_ || t.j1 < finite_lo_ || t.j0 > finite_hi_) {
+      if (!finite(t.j0, t.j1)) return false;
       finite_lo_ = t.j0;
       finite_hi_ = t.j1;
-    } else {
-      finite_lo_ = std::min(finite_lo_, t.j0);
-      finite_hi_ = std::max(finite_hi_, t.j1);
+      return true;
     }
+    if (!finite(t.j0, finite_lo_) || !finite(finite_hi_, t.j1)) return false;  // empty where inside
+    finite_lo_ = std::min(finite_lo_, t.j0);
+    finite_hi_ = std::max(finite_hi_, t.j1);
     return true;
   }
 
