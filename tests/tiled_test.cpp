@@ -943,6 +943,39 @@ TEST(TileConfig, DerivedFromTheCaches) {
   EXPECT_EQ(here.group, rule.group);
 }
 
+// Tiles that sdpa::gemm multiplies are bounded by the caches alone: the score tile within an eighth of L2
+// and a group's q rows and accumulators within half, groups of up to 16; never smaller than the tiles
+// within Eigen's stack buffers, and with the same key blocks (which fix a row's order of summation).
+TEST(TileConfig, WithoutEigensProductsOnlyTheCachesBound) {
+  const auto is_pow2 = [](Index x) { return x > 0 && (x & (x - 1)) == 0; };
+  for (Index l2 : {Index(256) << 10, Index(512) << 10, Index(1) << 20, Index(2) << 20, Index(4) << 20})
+    for (Index bytes : {4, 8})
+      for (Index d : {8, 64, 128, 256, 512}) {
+        const TileConfig c = TileConfig::for_caches(bytes, d, d, l2, /*eigen_products=*/false);
+        const TileConfig eigen = TileConfig::for_caches(bytes, d, d, l2);
+        SCOPED_TRACE(std::to_string(l2) + " " + std::to_string(bytes) + " " + std::to_string(d));
+        EXPECT_TRUE(is_pow2(c.block_q) && is_pow2(c.block_k) && is_pow2(c.group));
+        EXPECT_GE(c.block_q, 16);
+        EXPECT_LE(c.block_q, 256);
+        EXPECT_GE(c.group, 1);
+        EXPECT_LE(c.group, 16);
+        EXPECT_EQ(c.block_k, eigen.block_k);
+        EXPECT_GE(c.block_q, eigen.block_q);
+        EXPECT_GE(c.group * c.block_q, eigen.group * eigen.block_q);
+        if (c.block_q > 16) {
+          EXPECT_LE(c.block_q * c.block_k * bytes, l2 / 8);
+        }
+        if (c.group > 1) {
+          EXPECT_LE(c.group * c.block_q * 2 * d * bytes, l2 / 2);
+        }
+      }
+  // A 2 MiB L2, float, d 64: 128 x 512 tiles in groups of 16 (Eigen's bound: 64 x 512 in groups of 8).
+  const TileConfig c = TileConfig::for_caches(4, 64, 64, Index(2) << 20, false);
+  EXPECT_EQ(c.block_q, 128);
+  EXPECT_EQ(c.block_k, 512);
+  EXPECT_EQ(c.group, 16);
+}
+
 // The tile loop runs on scratch sized once per chunk of work: with Eigen's heap allocation forbidden the
 // products and the softmax must still go through (Eigen's product blocking must fit its stack buffers).
 TYPED_TEST(TiledTest, TileLoopMakesNoEigenHeapAllocation) {

@@ -27,14 +27,19 @@ struct TileConfig {
   // The rule, for `scalar_bytes`-wide elements and the per-core L2 size in bytes. Everything a group
   // touches should stay in L2: the k and v blocks (block_k x (d_k + d_v)) get an eighth of it, the score
   // tile (block_q x block_k) another eighth, and the group's q rows and output accumulators
-  // (group x block_q x (d_k + d_v)) half, leaving the rest for their packed copies. Each operand also
-  // stays within EIGEN_STACK_ALLOCATION_LIMIT (it bounded Eigen's packing buffers when the tiles ran on
-  // Eigen's products; it keeps the blocks within L1/L2-sized panels for sdpa::gemm's). Sizes are powers of
-  // two, block_k in [16, 512], block_q in [16, 256] and group in [1, 8]. (Measured on a 1 MiB L2, float,
+  // (group x block_q x (d_k + d_v)) half, leaving the rest for their packed copies. With
+  // `eigen_products` (tiles multiplied by Eigen's products: the portable path, and the backward pass's
+  // transposed products on every path) each operand also stays within EIGEN_STACK_ALLOCATION_LIMIT, so
+  // that Eigen packs them in its stack buffers instead of allocating per tile, and groups hold at most 8
+  // query blocks. Without it (sdpa::gemm's products) only the cache bounds hold, and groups reach 16.
+  // block_k is the same either way: it fixes the order in which a row's softmax and output sum the keys.
+  // Sizes are powers of two, block_k in [16, 512], block_q in [16, 256]. (Measured on a 1 MiB L2, float,
   // d = 64, with sdpa::gemm: 128 x 256 tiles in groups of 8 within noise (+-5%) of 128 x 512, 96 x 256 and
-  // 192 x 256; smaller tiles and groups were slower.)
-  static TileConfig for_caches(Eigen::Index scalar_bytes, Eigen::Index d_k, Eigen::Index d_v,
-                               Eigen::Index l2_bytes) noexcept {
+  // 192 x 256; smaller tiles and groups were slower. On a 2 MiB L2, 1 x 4096, d = 64, the stack bound held
+  // the tiles at 64 x 512 in groups of 8: 128 x 512 in groups of 16, the cache bounds alone, was 4% faster
+  // on one thread and 2% on two; bench/RESULTS.md.)
+  static TileConfig for_caches(Eigen::Index scalar_bytes, Eigen::Index d_k, Eigen::Index d_v, Eigen::Index l2_bytes,
+                               bool eigen_products = true) noexcept {
     scalar_bytes = std::max<Eigen::Index>(1, scalar_bytes);
     d_k = std::max<Eigen::Index>(1, d_k);
     d_v = std::max<Eigen::Index>(1, d_v);
@@ -49,9 +54,10 @@ struct TileConfig {
     TileConfig c;
     const Eigen::Index k_bound = max_block_k(scalar_bytes, d_k, d_v);
     c.block_k = std::clamp<Eigen::Index>(floor_pow2(std::min(eighth / (d_k + d_v), k_bound)), 16, 512);
-    c.block_q = std::clamp<Eigen::Index>(
-        floor_pow2(std::min({std::min(eighth, packed) / c.block_k, packed / d_k})), 16, 256);
-    c.group = std::clamp<Eigen::Index>(floor_pow2(4 * eighth / (c.block_q * (d_k + d_v))), 1, 8);
+    const Eigen::Index q_bound = eigen_products ? std::min(std::min(eighth, packed) / c.block_k, packed / d_k)
+                                                : eighth / c.block_k;
+    c.block_q = std::clamp<Eigen::Index>(floor_pow2(q_bound), 16, 256);
+    c.group = std::clamp<Eigen::Index>(floor_pow2(4 * eighth / (c.block_q * (d_k + d_v))), 1, eigen_products ? 8 : 16);
     return c;
   }
 
@@ -63,9 +69,9 @@ struct TileConfig {
   }
 
   template <typename Scalar>
-  static TileConfig for_problem(Eigen::Index d_k, Eigen::Index d_v) noexcept {
+  static TileConfig for_problem(Eigen::Index d_k, Eigen::Index d_v, bool eigen_products = true) noexcept {
     return for_caches(static_cast<Eigen::Index>(sizeof(Scalar)), d_k, d_v,
-                      static_cast<Eigen::Index>(Eigen::l2CacheSize()));
+                      static_cast<Eigen::Index>(Eigen::l2CacheSize()), eigen_products);
   }
 };
 
