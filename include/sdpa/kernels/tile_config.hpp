@@ -35,9 +35,9 @@ struct TileConfig {
   // block_k is the same either way: it fixes the order in which a row's softmax and output sum the keys.
   // Sizes are powers of two, block_k in [16, 512], block_q in [16, 256]. (Measured on a 1 MiB L2, float,
   // d = 64, with sdpa::gemm: 128 x 256 tiles in groups of 8 within noise (+-5%) of 128 x 512, 96 x 256 and
-  // 192 x 256; smaller tiles and groups were slower. On a 2 MiB L2, 1 x 4096, d = 64, the stack bound held
-  // the tiles at 64 x 512 in groups of 8: 128 x 512 in groups of 16, the cache bounds alone, was 4% faster
-  // on one thread and 2% on two; bench/RESULTS.md.)
+  // 192 x 256; smaller tiles and groups were slower. On a 2 MiB L2, 1 x 4096, d = 64, where the stack
+  // bound held the tiles at 64 x 512 in groups of 8, the cache bounds alone, 128 x 512 in groups of 16,
+  // were faster: bench/RESULTS.md.)
   static TileConfig for_caches(Eigen::Index scalar_bytes, Eigen::Index d_k, Eigen::Index d_v, Eigen::Index l2_bytes,
                                bool eigen_products = true) noexcept {
     scalar_bytes = std::max<Eigen::Index>(1, scalar_bytes);

@@ -393,7 +393,7 @@ TileConfig resolve_tile_config(const AttentionProblem<Scalar>& p, TileConfig con
   using Index = Eigen::Index;
   TileConfig derived = TileConfig::for_problem<Scalar>(p.d_k, p.d_v, /*eigen_products=*/!forward || p.isa == Isa::kPortable);
   // Causal query groups differ in cost (the later ones see more keys); groups of 16 blocks left two workers
-  // unevenly loaded (1 x 4096 on two threads 3% slower than groups of 8).
+  // unevenly loaded (1 x 4096 on two threads slower than groups of 8; bench/RESULTS.md).
   if (p.causal) derived.group = std::min<Index>(derived.group, 8);
   // A sliding window: each query block sees a band of window + block_q keys, and every key block it
   // touches is computed whole, so long key blocks would compute several times the band. Key blocks of a
