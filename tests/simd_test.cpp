@@ -1,8 +1,8 @@
 // Tests of sdpa/cpu.hpp and the per-ISA row kernels of sdpa/simd/: the run-time choice (what cpu_isa()
 // reports, set_cpu_isa and its refusals), and, on every path this CPU runs (forced in turn), the softmax
-// exponent against std::exp to within a few ulp (masked -inf exactly 0, NaN kept, overflow to inf), the
-// row max, dot products, weighted row sums and the decoding step's chunk scores against double loops, and
-// Philox words against the scalar bijection, bit for bit on every path.
+// exponent against std::exp to within a few ulp (masked -inf exactly 0, NaN kept, overflow to inf) and its
+// bounded pass (where it stops), the row max, dot products, weighted row sums and the decoding step's chunk
+// scores against double loops, and Philox words against the scalar bijection, bit for bit on every path.
 #include "sdpa/cpu.hpp"
 #include "sdpa/random.hpp"
 #include "sdpa/simd/dispatch.hpp"
@@ -153,6 +153,74 @@ TEST(SimdExp, WithinAFewUlpOfStdExpOnEveryPath) {
   for (Isa isa : paths()) {
     check_exp<float>(isa, 2.0);
     check_exp<double>(isa, 2.0);
+  }
+}
+
+// The bounded exponent pass (the online softmax's lazy reference) on every path: rows of every length up to
+// a few vectors, scores between far below the shift and the limit (kLag = 16 above it, where the pass takes
+// no clamp), hidden -inf, and one score above the limit by a little or by far more than exp's range at each
+// position. The pass stops before that score, at most a group of 32 earlier (each path checks 32, 16 or 8
+// scores at a time), leaves the rest untouched, and what it did take equals exp within a few ulp.
+template <typename T>
+void check_bounded_exp(Isa isa, double max_ulps) {
+  const auto where = ::testing::Message() << "isa " << sdpa::isa_name(isa);
+  std::mt19937 gen(91);
+  const T shift = T(-2.25), limit = shift + T(16);
+  std::uniform_real_distribution<double> below(double(shift) - 40.0, double(limit));
+  for (Index n = 1; n <= 70; ++n) {
+    std::vector<T> x(static_cast<std::size_t>(n));
+    for (Index j = 0; j < n; ++j) x[static_cast<std::size_t>(j)] = j % 9 == 4 ? -std::numeric_limits<T>::infinity() : T(below(gen));
+    x[static_cast<std::size_t>(n / 2)] = limit;  // on the limit: taken
+    for (Index at = -1; at < n; ++at) {
+      for (const T above : {limit + T(0.01), limit + T(500)}) {
+        std::vector<T> in = x;
+        if (at >= 0) in[static_cast<std::size_t>(at)] = above;
+        std::vector<T> got = in;
+        Index done = -1;
+        const T sum = sdpa::simd::exp_shifted_sum_below(isa, got.data(), n, shift, limit, &done);
+        const auto here = ::testing::Message() << where << " n " << n << " above at " << at << " (" << above << ")";
+        if (at < 0) {
+          EXPECT_EQ(done, n) << here;
+        } else {
+          EXPECT_LE(done, at) << here;
+          EXPECT_GT(done, at - 32) << here;
+        }
+        ASSERT_GE(done, 0) << here;
+        ASSERT_LE(done, n) << here;
+        double want_sum = 0;
+        for (Index j = 0; j < n; ++j) {
+          const std::size_t u = static_cast<std::size_t>(j);
+          if (j >= done) {
+            EXPECT_EQ(std::memcmp(&got[u], &in[u], sizeof(T)), 0) << here << " changed j " << j;
+            continue;
+          }
+          // exp of the difference as T rounds it (above the shift, its rounding is what exp magnifies).
+          const T want = T(std::exp(double(T(in[u] - shift))));
+          want_sum += double(want);
+          if (std::isinf(in[u])) {
+            EXPECT_EQ(got[u], T(0)) << here << " j " << j;
+          } else if (double(want) >= double(std::numeric_limits<T>::min())) {
+            EXPECT_LE(ulps(got[u], want), max_ulps) << here << " x " << in[u] << " got " << got[u] << " want " << want;
+          } else {
+            EXPECT_LE(double(got[u]), double(std::numeric_limits<T>::min())) << here;
+          }
+        }
+        EXPECT_NEAR(double(sum), want_sum, 8 * std::numeric_limits<T>::epsilon() * want_sum) << here;
+        if (at < 0) break;
+      }
+    }
+  }
+  // A NaN score is taken (it is not above the limit) and makes the sum NaN.
+  T nan_row[3] = {shift, std::numeric_limits<T>::quiet_NaN(), shift + 1};
+  Index done = -1;
+  EXPECT_TRUE(std::isnan(sdpa::simd::exp_shifted_sum_below(isa, nan_row, 3, shift, limit, &done))) << where;
+  EXPECT_EQ(done, 3) << where;
+}
+
+TEST(SimdExp, BoundedPassStopsBeforeTheFirstScoreAboveTheLimit) {
+  for (Isa isa : paths()) {
+    check_bounded_exp<float>(isa, 2.0);
+    check_bounded_exp<double>(isa, 2.0);
   }
 }
 

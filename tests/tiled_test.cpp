@@ -457,6 +457,99 @@ TYPED_TEST(TiledTest, RowFiniteFindsEveryNonFiniteValue) {
   }
 }
 
+// SoftmaxRow's lazy reference on every path, against a softmax in double: one row folded segment by
+// segment as the tiled forward folds it (the accumulator scaled by each fold's factor, then the
+// exponentials times the values added), with scores that rise within kLag of the reference (the lazy pass
+// keeps it), rise past it at the start of a segment, in its middle and by far more than exp's range (the
+// pass stops and the reference moves to the largest score), fall far below, and hidden keys. After every
+// fold the reference lies at most kLag below the largest score so far and not above it; the row's
+// log-sum-exp and output match the double softmax's. A NaN score makes both NaN.
+TYPED_TEST(TiledTest, LazySoftmaxReferenceMatchesADoubleSoftmax) {
+  using T = TypeParam;
+  using Row = sdpa::kernels::SoftmaxRow<T>;
+  const T lag = Row::kLag;
+  const double tol = std::is_same<T, float>::value ? 2e-5 : 1e-12;
+  struct Piece {
+    Index n;
+    double base;  // the segment's scores: base + u * lag with u in (-0.1, 0.1), plus jump from `from` on
+    Index from;
+    double jump;
+  };
+  // In units of the lag L: the reference starts near 0.1 L; later segments rise within the lag (kept), past
+  // it from their middle after scores near the limit (what the pass took must follow the reference), past
+  // it from their start (nothing taken before the stop), far past exp's range from their middle, and drop
+  // far below.
+  const double L = double(lag);
+  const std::vector<Piece> pieces = {{37, 0.0, 0, 0.0},
+                                     {64, 0.5 * L, 0, 0.0},
+                                     {5, 0.8 * L, 0, 0.0},
+                                     {100, 0.9 * L, 60, 1.5 * L},
+                                     {33, 40.0, 0, 0.0},
+                                     {70, 40.0 + 0.5 * L, 40, 100.0},
+                                     {1, -900.0, 0, 0.0},
+                                     {48, 140.0 + 0.9 * L, 0, 0.0},
+                                     {90, 140.0 + 0.9 * L, 70, 1.2 * L},
+                                     {17, 10.0, 0, 0.0}};
+  for (int i = 0; i <= static_cast<int>(sdpa::best_isa()); ++i) {
+    const sdpa::Isa isa = static_cast<sdpa::Isa>(i);
+    for (bool with_nan : {false, true}) {
+      std::mt19937 gen(17 + i);
+      std::uniform_real_distribution<double> u(-0.1 * double(lag), 0.1 * double(lag)), value(-3.0, 3.0);
+      const Index d = 3;
+      Row row;
+      row.seen = true;
+      std::vector<double> acc(d, 0.0), all_scores;
+      std::vector<std::array<double, 3>> all_values;
+      double running_max = -std::numeric_limits<double>::infinity();
+      for (std::size_t s_i = 0; s_i < pieces.size(); ++s_i) {
+        const Piece& piece = pieces[s_i];
+        std::vector<T> x(static_cast<std::size_t>(piece.n));
+        std::vector<std::array<double, 3>> v(x.size());
+        for (Index j = 0; j < piece.n; ++j) {
+          const std::size_t uj = static_cast<std::size_t>(j);
+          x[uj] = T(piece.base + u(gen) + (j >= piece.from ? piece.jump : 0.0));
+          if (j % 13 == 7) x[uj] = -std::numeric_limits<T>::infinity();  // a hidden key
+          for (Index c = 0; c < d; ++c) v[uj][static_cast<std::size_t>(c)] = value(gen);
+          all_scores.push_back(double(x[uj]));
+          all_values.push_back(v[uj]);
+          running_max = std::max(running_max, double(x[uj]));
+        }
+        if (with_nan && s_i == 5) x[40] = std::numeric_limits<T>::quiet_NaN();
+        const T alpha = row.fold(isa, x.data(), piece.n);
+        for (double& a : acc) a *= double(alpha);
+        for (std::size_t j = 0; j < x.size(); ++j)
+          for (std::size_t c = 0; c < acc.size(); ++c) acc[c] += double(x[j]) * v[j][c];
+        if (!with_nan) {
+          EXPECT_LE(double(row.max), running_max) << "isa " << i << " segment " << s_i;
+          EXPECT_GE(double(row.max), running_max - double(lag)) << "isa " << i << " segment " << s_i;
+          // Kept where the scores stayed within the lag, moved to the largest score where they did not.
+          if (s_i == 1 || s_i == 2 || s_i == 7) {
+            EXPECT_LT(double(row.max), running_max) << "isa " << i << " segment " << s_i;
+          }
+          if (s_i == 3 || s_i == 4 || s_i == 5 || s_i == 8) {
+            EXPECT_EQ(double(row.max), running_max) << "isa " << i << " segment " << s_i;
+          }
+        }
+      }
+      double m = -std::numeric_limits<double>::infinity(), z = 0;
+      for (double x : all_scores) m = std::max(m, x);
+      for (double x : all_scores) z += std::exp(x - m);
+      const double want_lse = m + std::log(z);
+      if (with_nan) {
+        EXPECT_TRUE(std::isnan(row.log_sum_exp())) << "isa " << i;
+        EXPECT_TRUE(std::isnan(acc[0] / double(row.sum))) << "isa " << i;
+        continue;
+      }
+      EXPECT_NEAR(double(row.log_sum_exp()), want_lse, tol * std::abs(want_lse)) << "isa " << i;
+      for (std::size_t c = 0; c < acc.size(); ++c) {
+        double want = 0;
+        for (std::size_t j = 0; j < all_scores.size(); ++j) want += std::exp(all_scores[j] - m) / z * all_values[j][c];
+        EXPECT_NEAR(acc[c] / double(row.sum), want, tol) << "isa " << i << " feature " << c;
+      }
+    }
+  }
+}
+
 // Keys hidden from every query inside causal tiles hold NaN and infinity in their value rows: the output
 // is the one with finite values there. Key 30 lies in the part of its key block (24 to 31) that the
 // query block 28 to 31 reaches beyond the block 24 to 27 of its group (blocks of 4 queries and 8 keys,

@@ -47,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "sdpa/attention.hpp"
@@ -317,6 +318,9 @@ void ring_forward(const RingCall<Scalar>& call, const kernels::Heads<Scalar>& ou
   const ::sdpa::detail::CallShape& c = call.shape;
   const AttentionOptions<Scalar>& o = *call.options;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  // The log-sum-exp arithmetic of the merges and the sink in double for float, each result rounded once (as
+  // SoftmaxRow::log_sum_exp rounds the blocks' own).
+  using Wide = std::conditional_t<std::is_same<Scalar, float>::value, double, Scalar>;
   const Index rows_bh = c.batch * c.heads;
   std::fill_n(lse, rows_bh * c.nq, kNegInf);
   for (Index b = 0; b < c.batch; ++b)
@@ -365,10 +369,10 @@ void ring_forward(const RingCall<Scalar>& call, const kernels::Heads<Scalar>& ou
               std::fill_n(orow, c.d_v, std::numeric_limits<Scalar>::quiet_NaN());
               la = std::numeric_limits<Scalar>::quiet_NaN();
             } else {
-              const Scalar mx = std::max(la, lb), wa = std::exp(la - mx), wb = std::exp(lb - mx), sum = wa + wb;
-              const Scalar fa = wa / sum, fb = wb / sum;
+              const Wide mx = std::max<Wide>(la, lb), wa = std::exp(la - mx), wb = std::exp(lb - mx), sum = wa + wb;
+              const Scalar fa = static_cast<Scalar>(wa / sum), fb = static_cast<Scalar>(wb / sum);
               for (Index d = 0; d < c.d_v; ++d) orow[d] = fa * orow[d] + fb * pr[d];
-              la = mx + std::log(sum);
+              la = static_cast<Scalar>(mx + std::log(sum));
             }
           }
     }
@@ -385,11 +389,11 @@ void ring_forward(const RingCall<Scalar>& call, const kernels::Heads<Scalar>& ou
             la = sink;  // every key hidden: all weight on the sink, output 0
             continue;
           }
-          const Scalar mx = std::max(la, sink), total = mx + std::log(std::exp(la - mx) + std::exp(sink - mx));
-          const Scalar f = std::exp(la - total);
+          const Wide mx = std::max<Wide>(la, sink), total = mx + std::log(std::exp(la - mx) + std::exp(sink - mx));
+          const Scalar f = static_cast<Scalar>(std::exp(la - total));
           Scalar* orow = out.row(b, h, r);
           for (Index d = 0; d < c.d_v; ++d) orow[d] *= f;
-          la = total;
+          la = static_cast<Scalar>(total);
         }
       }
 }

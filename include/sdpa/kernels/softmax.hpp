@@ -2,8 +2,8 @@
 // the tiled forward, the decoding step and the backward pass, and the one finisher that turns a row's state
 // and output accumulator into its attention output under the masked-row policy (the reference kernel ends
 // its rows through it too). The row passes (max, exponent and sum) are the per-ISA kernels of
-// simd/dispatch.hpp. NaN propagates: a NaN score makes the row's max, sum and output NaN, as in
-// PyTorch; only a row that saw no visible key at all (and has no sink logit) gets the masked-row policy.
+// simd/dispatch.hpp. NaN propagates: a NaN score makes the row's sum and output NaN, as in PyTorch; only a
+// row that saw no visible key at all (and has no sink logit) gets the masked-row policy.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -21,21 +21,47 @@
 
 SDPA_NAMESPACE_BEGIN
 namespace kernels {
-// One query row's running softmax: the max of the scores folded so far (NaN once any was NaN), the sum of
-// their exponentials relative to it, and whether the row has seen any visible key.
+// One query row's running softmax: the reference point `max` (NaN once any score was NaN), the sum of the
+// exponentials of the scores folded so far relative to it, and whether the row has seen any visible key.
+// The reference lags behind the largest score folded by at most kLag (FlashAttention 4's lazy rescaling):
+// once a row has a finite reference, a segment whose scores all stay within kLag above it is folded in one
+// pass, relative to it, with neither a pass for the segment's max nor a rescaling of the accumulator; only
+// a score further above moves the reference (to the largest score then). Exponentials and sums relative to
+// it reach at most e^kLag times theirs relative to the largest score, far from float's range, and
+// max + log(sum) is the log-sum-exp all the same. The lag is kept small so that the largest scores'
+// arguments, x - max, stay as short as under the exact max, and round as little.
 template <typename Scalar>
 struct SoftmaxRow {
   static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+  static constexpr Scalar kLag = Scalar(2);
   Scalar max = -kInf;
   Scalar sum = Scalar(0);
   bool seen = false;
   bool sunk = false;  // the row's sink logit is folded in (add_sink)
 
   // Folds a segment of final scores (hidden keys -inf) into the row on the kernels of `isa`: x becomes
-  // exp(x - new max), and the return value is the factor by which the row's output accumulator must be
-  // scaled first (1: unchanged).
+  // exp(x - new reference), and the return value is the factor by which the row's output accumulator must
+  // be scaled first (1: unchanged).
   Scalar fold(Isa isa, Scalar* x, Eigen::Index n) noexcept {
     Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
+    if (max > -kInf && max < kInf) {
+      // A finite reference: the lazy pass, up to the first scores above it by more than kLag.
+      Eigen::Index done = n;
+      const Scalar lazy_sum = simd::exp_shifted_sum_below(isa, x, n, max, max + kLag, &done);
+      if (done == n) {
+        sum += lazy_sum;  // NaN scores make it NaN, and the row's output with it
+        return Scalar(1);
+      }
+      // The reference moves to the largest of the scores left (above max + kLag, or NaN, or, beside a NaN
+      // that vmaxps lets win, anything: the row's sum is NaN then), and the exponentials taken so far follow.
+      const Scalar old_max = max;
+      const Scalar rest_max = simd::row_max(isa, x + done, n - done);
+      max = std::isnan(rest_max) || rest_max > old_max ? rest_max : old_max;
+      const Scalar alpha = std::exp(old_max - max);
+      a.head(done) *= alpha;
+      sum = (sum + lazy_sum) * alpha + simd::exp_shifted_sum(isa, x + done, n - done, max);
+      return alpha;
+    }
     Scalar segment_max = simd::row_max(isa, x, n);
     if (segment_max == -kInf) {
       if (a.isNaN().any()) {
@@ -82,7 +108,13 @@ struct SoftmaxRow {
 
   // log(sum of exp(scores)), the sink's included: what a backward pass recomputes the probabilities from,
   // p = exp(s - lse). -inf for a row without visible keys or sink.
-  Scalar log_sum_exp() const noexcept { return seen || sunk ? max + std::log(sum) : -kInf; }
+  // (In double, rounded once: one rounding of the result instead of the logarithm's and the addition's, whose
+  // operands carry the reference's lag.)
+  Scalar log_sum_exp() const noexcept {
+    if (!(seen || sunk)) return -kInf;
+    using Wide = std::conditional_t<std::is_same<Scalar, float>::value, double, Scalar>;
+    return static_cast<Scalar>(static_cast<Wide>(max) + std::log(static_cast<Wide>(sum)));
+  }
 
   // Merges another partial state of the same row (another range of its keys), whose accumulator is
   // other_acc, into this one and acc (flash-decoding's split of the keys across threads).

@@ -214,9 +214,13 @@ struct Words {
 // left out, r^5 / 120, is below 1.3e-9 of it), and the power of two built in the exponent field in two
 // halves (2^floor(k / 8) reaches 2^128, past float's largest exponent, where the product overflows to inf
 // as exp does); at most 2 ulp from exp (tests/simd_test.cpp).
+// kClamp false: for arguments known to be at most 88.8 (or NaN), without the clamp that keeps larger ones
+// in the exponent field's range.
+template <bool kClamp = true>
 inline __m256 exp_shifted(__m256 v, __m256 shift) noexcept {
   // (vminps returns its second operand when either is NaN: a NaN argument stays NaN.)
-  const __m256 t = _mm256_min_ps(_mm256_set1_ps(88.8f), _mm256_sub_ps(v, shift));
+  __m256 t = _mm256_sub_ps(v, shift);
+  if constexpr (kClamp) t = _mm256_min_ps(_mm256_set1_ps(88.8f), t);
   const __m256 keep = _mm256_cmp_ps(t, _mm256_set1_ps(-87.33f), _CMP_NLT_UQ);
   // k in the low bits of 1.5 * 2^23 + k (|k| <= 1025 < 2^22), rounded to nearest by the fused add; the
   // magic number is a multiple of 8, so its bits' low three are k mod 8 (vpermps reads no more).
@@ -242,13 +246,23 @@ inline __m256 exp_shifted(__m256 v, __m256 shift) noexcept {
   return _mm256_and_ps(keep, _mm256_mul_ps(_mm256_mul_ps(y, s1), s2));
 }
 
-inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
-  const __m256 vshift = _mm256_set1_ps(shift);
+// exp_shifted_sum, and with kBounded its bounded form (as sdpa::avx512::exp_shifted_sum_of, 16 scores at a
+// time, then 8).
+template <bool kBounded>
+inline float exp_shifted_sum_of(float* x, Eigen::Index n, float shift, float limit, Eigen::Index* done) noexcept {
+  const __m256 vshift = _mm256_set1_ps(shift), vlimit = _mm256_set1_ps(limit);
   __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
   Eigen::Index j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m256 y0 = exp_shifted(_mm256_loadu_ps(x + j), vshift);
-    const __m256 y1 = exp_shifted(_mm256_loadu_ps(x + j + 8), vshift);
+    const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+    if constexpr (kBounded) {
+      if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_max_ps(x0, x1), vlimit, _CMP_GT_OQ)) != 0) {
+        *done = j;
+        return Vec<float>::reduce_add(_mm256_add_ps(sum0, sum1));
+      }
+    }
+    const __m256 y0 = exp_shifted<!kBounded>(x0, vshift);
+    const __m256 y1 = exp_shifted<!kBounded>(x1, vshift);
     _mm256_storeu_ps(x + j, y0);
     _mm256_storeu_ps(x + j + 8, y1);
     sum0 = _mm256_add_ps(sum0, y0);
@@ -256,12 +270,29 @@ inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
   }
   for (; j < n; j += 8) {
     const __m256i m = Vec<float>::mask(std::min<Eigen::Index>(8, n - j));
-    // Lanes past n read as 0 and give exp(-shift), which the mask removes from the sum and the store.
-    const __m256 y = _mm256_and_ps(_mm256_castsi256_ps(m), exp_shifted(_mm256_maskload_ps(x + j, m), vshift));
+    // Lanes past n read as 0 and give exp(-shift), which the mask removes from the check, the sum and the
+    // store.
+    const __m256 v = _mm256_maskload_ps(x + j, m);
+    if constexpr (kBounded) {
+      if (_mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(m), _mm256_cmp_ps(v, vlimit, _CMP_GT_OQ))) != 0) {
+        *done = j;
+        return Vec<float>::reduce_add(_mm256_add_ps(sum0, sum1));
+      }
+    }
+    const __m256 y = _mm256_and_ps(_mm256_castsi256_ps(m), exp_shifted<!kBounded>(v, vshift));
     _mm256_maskstore_ps(x + j, m, y);
     sum0 = _mm256_add_ps(sum0, y);
   }
+  if constexpr (kBounded) *done = n;
   return Vec<float>::reduce_add(_mm256_add_ps(sum0, sum1));
+}
+
+inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
+  return exp_shifted_sum_of<false>(x, n, shift, 0.0f, nullptr);
+}
+
+inline float exp_shifted_sum_below(float* x, Eigen::Index n, float shift, float limit, Eigen::Index* done) noexcept {
+  return exp_shifted_sum_of<true>(x, n, shift, limit, done);
 }
 
 // x[j] = cap * tanh(x[j] / cap) for j < n (logit softcapping), as sdpa::avx512::softcap_row computes it.

@@ -260,10 +260,14 @@ struct Words {
 // powers read by one vpermt2ps, and exp(r) by its series up to r^3 (the first term left out, r^4 / 24, is
 // below 6e-10 of it): 14 vector operations, 9 of them on the multiply units, where Cephes' polynomial over
 // |r| <= ln 2 / 2 (which Eigen uses) takes 15 and 11; at most 1.01 ulp from exp (tests/simd_test.cpp).
+// kClamp false: for arguments known to be at most 88.8 (or NaN), without the clamp that keeps larger ones
+// exact.
+template <bool kClamp = true>
 inline __m512 exp_shifted(__m512 v, __m512 shift, __mmask16 lanes) noexcept {
   // Arguments above 88.8 give +inf (exp overflows from 88.73); keeping them there keeps k exact below.
   // (vminps returns its second operand when either is NaN: a NaN argument stays NaN.)
-  const __m512 t = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_sub_ps(v, shift));
+  __m512 t = _mm512_sub_ps(v, shift);
+  if constexpr (kClamp) t = _mm512_min_ps(_mm512_set1_ps(88.8f), t);
   // Zero below -87.33, where exp falls under FLT_MIN; -inf (masked) included, whose NaN from the
   // reduction below is dropped here. (The unmasked compare and an AND: at -O0 GCC's macro for the masked
   // compare trips -Wsign-conversion.)
@@ -291,14 +295,28 @@ inline __m512 exp_shifted(__m512 v, __m512 shift, __mmask16 lanes) noexcept {
   return _mm512_maskz_scalef_ps(lanes, y, _mm512_mul_ps(k, _mm512_set1_ps(1.0f / 32)));
 }
 
-inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
-  const __m512 vshift = _mm512_set1_ps(shift);
+// exp_shifted_sum, and with kBounded its bounded form (simd::exp_shifted_sum_below): the row is taken 32
+// scores at a time (then 16), and the pass stops before the first group holding a score above `limit`,
+// setting *done to where it stopped (n when it did not). Below the limit the arguments are at most
+// limit - shift (a few units) and need no clamp, which pays for the check. (vmaxps keeps its second operand
+// where either is NaN, so a score beside a NaN of the other half may pass the check; its row's sum is NaN
+// whatever it gives.)
+template <bool kBounded>
+inline float exp_shifted_sum_of(float* x, Eigen::Index n, float shift, float limit, Eigen::Index* done) noexcept {
+  const __m512 vshift = _mm512_set1_ps(shift), vlimit = _mm512_set1_ps(limit);
   // Two sums so that consecutive packets do not wait on one another's addition.
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   Eigen::Index j = 0;
   for (; j + 32 <= n; j += 32) {
-    const __m512 y0 = exp_shifted(_mm512_loadu_ps(x + j), vshift, __mmask16(0xFFFF));
-    const __m512 y1 = exp_shifted(_mm512_loadu_ps(x + j + 16), vshift, __mmask16(0xFFFF));
+    const __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
+    if constexpr (kBounded) {
+      if (_mm512_cmp_ps_mask(_mm512_max_ps(x0, x1), vlimit, _CMP_GT_OQ) != 0) {
+        *done = j;
+        return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+      }
+    }
+    const __m512 y0 = exp_shifted<!kBounded>(x0, vshift, __mmask16(0xFFFF));
+    const __m512 y1 = exp_shifted<!kBounded>(x1, vshift, __mmask16(0xFFFF));
     _mm512_storeu_ps(x + j, y0);
     _mm512_storeu_ps(x + j + 16, y1);
     sum0 = _mm512_add_ps(sum0, y0);
@@ -306,11 +324,27 @@ inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
   }
   for (; j < n; j += 16) {
     const __mmask16 lanes = n - j >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 y = exp_shifted(_mm512_maskz_loadu_ps(lanes, x + j), vshift, lanes);
+    const __m512 v = _mm512_maskz_loadu_ps(lanes, x + j);
+    if constexpr (kBounded) {
+      if (_mm512_mask_cmp_ps_mask(lanes, v, vlimit, _CMP_GT_OQ) != 0) {
+        *done = j;
+        return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+      }
+    }
+    const __m512 y = exp_shifted<!kBounded>(v, vshift, lanes);
     _mm512_mask_storeu_ps(x + j, lanes, y);
     sum0 = _mm512_add_ps(sum0, y);
   }
+  if constexpr (kBounded) *done = n;
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+inline float exp_shifted_sum(float* x, Eigen::Index n, float shift) noexcept {
+  return exp_shifted_sum_of<false>(x, n, shift, 0.0f, nullptr);
+}
+
+inline float exp_shifted_sum_below(float* x, Eigen::Index n, float shift, float limit, Eigen::Index* done) noexcept {
+  return exp_shifted_sum_of<true>(x, n, shift, limit, done);
 }
 
 // x[j] = cap * tanh(x[j] / cap) for j < n (logit softcapping). tanh(y) = sign(y) (1 - e) / (1 + e) with

@@ -46,6 +46,23 @@ Scalar exp_shifted_sum(Isa isa, Scalar* x, Eigen::Index n, Scalar shift) noexcep
   return portable::exp_shifted_sum(x, n, shift);
 }
 
+// exp_shifted_sum for a shift that may lie below the row's largest score, by at most limit - shift (a few
+// units; the online softmax's lazy maximum, SoftmaxRow::fold): the pass stops before the first group of
+// scores (a few vectors' worth) that holds one above `limit`, so that no exponent it takes can overflow, and
+// sets *done to where it stopped, n when it went through. x[0, *done) holds the exponentials, whose sum it
+// returns; x[*done, n) is untouched.
+template <typename Scalar>
+Scalar exp_shifted_sum_below(Isa isa, Scalar* x, Eigen::Index n, Scalar shift, Scalar limit, Eigen::Index* done) noexcept {
+#if SDPA_DISPATCH
+  if constexpr (std::is_same<Scalar, float>::value) {
+    if (isa == Isa::kAvx512) return avx512::exp_shifted_sum_below(x, n, shift, limit, done);
+    if (isa == Isa::kAvx2) return avx2::exp_shifted_sum_below(x, n, shift, limit, done);
+  }
+#endif
+  (void)isa;
+  return portable::exp_shifted_sum_below(x, n, shift, limit, done);
+}
+
 // x[j] = cap * tanh(x[j] / cap) for j < n: the logit softcap (Gemma 2), cap > 0.
 template <typename Scalar>
 void softcap(Isa isa, Scalar* x, Eigen::Index n, Scalar cap) noexcept {

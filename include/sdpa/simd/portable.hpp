@@ -86,6 +86,20 @@ Scalar exp_shifted_sum(Scalar* x, Eigen::Index n, Scalar shift) noexcept {
   return a.sum();
 }
 
+// exp_shifted_sum over the row up to the first group of 32 scores holding one above `limit`, where it
+// stops; *done is where it stopped (n when it did not), and x[*done, n) is left as it was.
+template <typename Scalar>
+Scalar exp_shifted_sum_below(Scalar* x, Eigen::Index n, Scalar shift, Scalar limit, Eigen::Index* done) noexcept {
+  constexpr Eigen::Index kGroup = 32;
+  Eigen::Index j = 0;
+  for (; j < n; j += kGroup) {
+    const Eigen::Index m = std::min(kGroup, n - j);
+    if ((Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(x + j, m) > limit).any()) break;
+  }
+  *done = j < n ? j : n;
+  return exp_shifted_sum(x, *done, shift);
+}
+
 // The largest of x[0 .. n) for n > 0 (a NaN may or may not win, as in the vector kernels).
 template <typename Scalar>
 Scalar row_max(const Scalar* x, Eigen::Index n) noexcept {
