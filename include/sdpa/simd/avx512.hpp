@@ -258,7 +258,7 @@ struct Words {
 // -inf of hidden keys included), NaN for NaN. exp(t) = 2^(k / 32) exp(r) with k the integer nearest
 // t * 32 / ln 2 and |r| <= ln 2 / 64, 2^(k / 32) = 2^floor(k / 32) 2^((k mod 32) / 32) from a table of 32
 // powers read by one vpermt2ps, and exp(r) by its series up to r^3 (the first term left out, r^4 / 24, is
-// below 6e-10 of it): 14 vector operations, 9 of them on the multiply units, where Cephes' polynomial over
+// below 6e-10 of it): 13 vector operations, 8 of them on the multiply units, where Cephes' polynomial over
 // |r| <= ln 2 / 2 (which Eigen uses) takes 15 and 11; at most 1.01 ulp from exp (tests/simd_test.cpp).
 // kClamp false: for arguments known to be at most 88.8 (or NaN), without the clamp that keeps larger ones
 // exact.
@@ -275,10 +275,11 @@ inline __m512 exp_shifted(__m512 v, __m512 shift, __mmask16 lanes) noexcept {
   // k in the low bits of 1.5 * 2^23 + k (|k| <= 4100 < 2^22), rounded to nearest by the fused add.
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 kk = _mm512_fmadd_ps(t, _mm512_set1_ps(46.1662413f), magic);
-  const __m512 k = _mm512_sub_ps(kk, magic);
-  // r = t - k ln 2 / 32 in two steps (Cephes' split of ln 2, over 32): k times the first part is exact.
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f / 32), t);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f / 32), r);
+  // k / 32 from kk in one exact fused operation (kk / 32 - magic / 32; every term is a float).
+  const __m512 k32 = _mm512_fmadd_ps(kk, _mm512_set1_ps(1.0f / 32), _mm512_set1_ps(-12582912.0f / 32));
+  // r = t - (k / 32) ln 2 in two steps (Cephes' split of ln 2): k / 32 times the first part is exact.
+  __m512 r = _mm512_fnmadd_ps(k32, _mm512_set1_ps(0.693359375f), t);
+  r = _mm512_fnmadd_ps(k32, _mm512_set1_ps(-2.12194440e-4f), r);
   // 2^(i / 32) rounded to float; vpermt2ps reads the index from the low five bits of kk: k mod 32.
   const __m512 pow_lo = _mm512_setr_ps(1.0f, 1.0218972f, 1.04427373f, 1.06714046f, 1.09050775f, 1.1143868f,
                                        1.13878858f, 1.1637249f, 1.18920708f, 1.21524739f, 1.24185777f, 1.26905096f,
@@ -291,8 +292,8 @@ inline __m512 exp_shifted(__m512 v, __m512 shift, __mmask16 lanes) noexcept {
   __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 6), r, _mm512_set1_ps(0.5f));
   q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
   const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(pow, r), q, pow);
-  // vscalefps multiplies by 2^floor of its second operand: 2^floor(k / 32) (k / 32 is exact).
-  return _mm512_maskz_scalef_ps(lanes, y, _mm512_mul_ps(k, _mm512_set1_ps(1.0f / 32)));
+  // vscalefps multiplies by 2^floor of its second operand: 2^floor(k / 32).
+  return _mm512_maskz_scalef_ps(lanes, y, k32);
 }
 
 // exp_shifted_sum, and with kBounded its bounded form (simd::exp_shifted_sum_below): the row is taken 32
