@@ -47,7 +47,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "sdpa/attention.hpp"
@@ -320,7 +319,7 @@ void ring_forward(const RingCall<Scalar>& call, const kernels::Heads<Scalar>& ou
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   // The log-sum-exp arithmetic of the merges and the sink in double for float, each result rounded once (as
   // SoftmaxRow::log_sum_exp rounds the blocks' own).
-  using Wide = std::conditional_t<std::is_same<Scalar, float>::value, double, Scalar>;
+  using Wide = kernels::LseWide<Scalar>;
   const Index rows_bh = c.batch * c.heads;
   std::fill_n(lse, rows_bh * c.nq, kNegInf);
   for (Index b = 0; b < c.batch; ++b)

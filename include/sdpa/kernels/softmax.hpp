@@ -21,6 +21,10 @@
 
 SDPA_NAMESPACE_BEGIN
 namespace kernels {
+// The type a log-sum-exp is computed in before it is rounded once to Scalar: double for float.
+template <typename Scalar>
+using LseWide = std::conditional_t<std::is_same<Scalar, float>::value, double, Scalar>;
+
 // One query row's running softmax: the reference point `max` (NaN once any score was NaN), the sum of the
 // exponentials of the scores folded so far relative to it, and whether the row has seen any visible key.
 // The reference lags behind the largest score folded by at most kLag (FlashAttention 4's lazy rescaling):
@@ -112,8 +116,7 @@ struct SoftmaxRow {
   // operands carry the reference's lag.)
   Scalar log_sum_exp() const noexcept {
     if (!(seen || sunk)) return -kInf;
-    using Wide = std::conditional_t<std::is_same<Scalar, float>::value, double, Scalar>;
-    return static_cast<Scalar>(static_cast<Wide>(max) + std::log(static_cast<Wide>(sum)));
+    return static_cast<Scalar>(static_cast<LseWide<Scalar>>(max) + std::log(static_cast<LseWide<Scalar>>(sum)));
   }
 
   // Merges another partial state of the same row (another range of its keys), whose accumulator is
