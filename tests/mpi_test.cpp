@@ -148,8 +148,12 @@ void run_case(const Case& c, sdpa::RingLayout ring_layout) {
   EXPECT_LE(relative_error(g.k, shard(grads.k)), tolerance<T>());
   EXPECT_LE(relative_error(g.v, shard(grads.v)), tolerance<T>());
   ASSERT_EQ(g.sinks.size(), grads.sinks.size());
+  // A sink's gradient is one sum over every query row of the batch, which the ring adds in another order
+  // (each rank's rows, then across ranks): its rounding grows as the square root of the rows (float:
+  // 1.2e-6 of 0.22 over 192 rows on an AVX2 machine, past a flat 1e-6).
+  const double sink_tolerance = tolerance<T>() * std::sqrt(double(batch * n));
   for (std::size_t h = 0; h < g.sinks.size(); ++h)
-    EXPECT_NEAR(g.sinks[h], grads.sinks[h], tolerance<T>() * std::max<double>(1, std::abs(grads.sinks[h]))) << "head " << h;
+    EXPECT_NEAR(g.sinks[h], grads.sinks[h], sink_tolerance * std::max<double>(1, std::abs(grads.sinks[h]))) << "head " << h;
 
   // Run to run: the same bits.
   sdpa::RingState<T> again_state;
