@@ -5,7 +5,9 @@
 # dnnl-config.cmake fails the configure if anything loads it (sdpa must not need oneDNN's CMake package).
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
-set(args -DSDPA_SOURCE_DIR=${SDPA_SOURCE_DIR} -DCMAKE_BUILD_TYPE=Release ${CONSUMER_ARGS})
+# Built at -O0 unless CONSUMER_ARGS say otherwise (the warnings builds do): these projects check the ways
+# in (packages, targets, options), which no optimisation level changes.
+set(args -DSDPA_SOURCE_DIR=${SDPA_SOURCE_DIR} -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS=-O0 ${CONSUMER_ARGS})
 if(POISON_DIR)
   list(APPEND args -Ddnnl_DIR=${POISON_DIR})
 endif()

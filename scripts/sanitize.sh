@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The test suite under AddressSanitizer + UndefinedBehaviorSanitizer (any report fails the run): g++ over
-# every test group and every instruction-set path the CPU has (ctest's quick label, examples aside), then
-# clang++ (whose UBSan also checks pointer arithmetic, e.g. an offset applied to a null pointer) over the
-# kernels and the cache (kernel_tests) on the default path; then the concurrency tests under
-# ThreadSanitizer.
+# The test suite under AddressSanitizer + UndefinedBehaviorSanitizer (any report fails the run): clang++
+# (whose UBSan also checks pointer arithmetic, e.g. an offset applied to a null pointer) over every test
+# group and every instruction-set path the CPU has (ctest's quick label, examples aside); then the
+# concurrency tests under ThreadSanitizer (g++). g++ builds the same suite without sanitizers in the
+# README's test command. (Until 2026-12-04 g++'s ASan ran over every group and clang++'s over the kernels
+# only: two instrumented builds, 14 minutes of the Zen 3's CI; clang++ compiles the suite faster.)
 # At -O1 with line tables: the instrumented suite compiles in a fraction of -O2 -g's time and runs about
 # as fast. Consumer projects are left to the plain build.
 set -euo pipefail
@@ -27,19 +28,12 @@ configure() {  # build dir, C++ compiler, sanitizer flags
 }
 
 asan="-fsanitize=address,undefined -fno-sanitize-recover=all"
-# (g++ 12 has no -gline-tables-only: -g1 is its equivalent.)
-echo "sanitize.sh: ASan + UBSan, g++ (every test group, every path)"
-dir=${SDPA_ASAN_BUILD_DIR:-$root/build-asan}
-flags="-O1 -g1 -fno-omit-frame-pointer" configure "$dir" g++ "$asan"
+echo "sanitize.sh: ASan + UBSan, clang++-14 (every test group, every path)"
+dir=${SDPA_ASAN_BUILD_DIR:-$root/build-asan-clang}
+configure "$dir" clang++-14 "$asan"
 # (Not the ODR test: it checks what two -march settings link to, which the plain build and QEMU run.)
 cmake --build "$dir" -j "$jobs" --target core_tests module_tests concurrency_tests kernel_tests io_tests
 ctest --test-dir "$dir" --output-on-failure -j "$jobs" -L quick -E '^odr_test$'
-
-echo "sanitize.sh: ASan + UBSan, clang++-14 (the kernels and the cache: kernel_tests, default path)"
-dir=${SDPA_ASAN_CLANG_BUILD_DIR:-$root/build-asan-clang}
-configure "$dir" clang++-14 "$asan"
-cmake --build "$dir" -j "$jobs" --target kernel_tests
-"$dir/tests/kernel_tests" --gtest_brief=1
 
 echo "sanitize.sh: TSan, concurrency and parallel_for tests"
 dir=${SDPA_TSAN_BUILD_DIR:-$root/build-tsan}
