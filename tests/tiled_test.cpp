@@ -181,37 +181,6 @@ std::vector<T> run_tiled_once(TestProblem<T>& t, const Eigen::ThreadPoolDevice* 
   return out;
 }
 
-// The tiled kernel's output; it also runs the same problem with every tile's products on the operands
-// where they lie (TileConfig::pack_operands false, the path the packing is checked against), which must
-// give the same bits: the micro-kernels sum the products in the same order either way. The portable
-// path's products are Eigen's, which round by shape (they split a deep product by the L1 size: 513 keys
-// in one block on a 32 KiB L1), so there the two agree to rounding only.
-template <typename T>
-std::vector<T> run_tiled(TestProblem<T>& t, const Eigen::ThreadPoolDevice* device = nullptr,
-                         TileConfig config = TileConfig{}, TileStats* stats = nullptr) {
-  std::vector<T> out = run_tiled_once(t, device, config, stats);
-  if (config.pack_operands) {
-    TileConfig unpacked = config;
-    unpacked.pack_operands = false;
-    const std::vector<T> plain = run_tiled_once(t, device, unpacked, nullptr);
-    if (t.p.isa != sdpa::Isa::kPortable) {
-      EXPECT_EQ(std::memcmp(out.data(), plain.data(), out.size() * sizeof(T)), 0)
-          << "packed and unpacked tile products differ";
-    } else {
-      const double tol = std::is_same_v<T, float> ? 1e-5 : 1e-13;
-      for (std::size_t i = 0; i < out.size(); ++i) {
-        const bool both_nan = std::isnan(double(out[i])) && std::isnan(double(plain[i]));
-        if (!both_nan && !(std::abs(double(out[i]) - double(plain[i])) <= tol * (1.0 + std::abs(double(plain[i]))))) {
-          ADD_FAILURE() << "packed and unpacked tile products differ beyond rounding at " << i << ": " << out[i]
-                        << " vs " << plain[i];
-          break;
-        }
-      }
-    }
-  }
-  return out;
-}
-
 template <typename T>
 double tolerance() {
   return std::is_same<T, float>::value ? 2e-5 : 1e-12;
@@ -233,6 +202,30 @@ template <typename T>
                                            << " (error " << err << ")";
   }
   return ::testing::AssertionSuccess();
+}
+
+// The tiled kernel's output; it also runs the same problem with every tile's products on the operands
+// where they lie (TileConfig::pack_operands false, the path the packing is checked against), which must
+// give the same bits: the micro-kernels sum the products in the same order either way. The portable
+// path's products are Eigen's, which round by shape (they split a deep product by the L1 size: 513 keys
+// in one block on a 32 KiB L1), so there the two agree to rounding only.
+template <typename T>
+std::vector<T> run_tiled(TestProblem<T>& t, const Eigen::ThreadPoolDevice* device = nullptr,
+                         TileConfig config = TileConfig{}, TileStats* stats = nullptr) {
+  std::vector<T> out = run_tiled_once(t, device, config, stats);
+  if (config.pack_operands) {
+    TileConfig unpacked = config;
+    unpacked.pack_operands = false;
+    const std::vector<T> plain = run_tiled_once(t, device, unpacked, nullptr);
+    if (t.p.isa != sdpa::Isa::kPortable) {
+      EXPECT_EQ(std::memcmp(out.data(), plain.data(), out.size() * sizeof(T)), 0)
+          << "packed and unpacked tile products differ";
+    } else {
+      EXPECT_TRUE(outputs_match(out, plain, std::is_same_v<T, float> ? 1e-5 : 1e-13))
+          << "packed and unpacked tile products differ beyond rounding";
+    }
+  }
+  return out;
 }
 
 std::string describe(const Spec& s, const TileConfig& c) {
