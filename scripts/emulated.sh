@@ -37,10 +37,35 @@ core_filter='CpuIsa*:Simd*:DropoutSampler*:LinearTest*:GemmTest/*.AttentionTileP
 module_filter='ModuleTest*:OptionsTest*:ParityFixtures*'
 cache_filter='KVCacheTest/0.*:TiledTest/0.ShapesAroundTinyBlockBoundaries'
 haswell_skip='*NtBias*:*BlockBoundaryLengths*:*InitWeightsStatistics*:*WideHeadsSteps*:*TwoThreadsGiveTheSameSteps*:*StepsWithRoomAllocateNothing*'
-for cpu in Nehalem:portable Haswell:avx2; do
-  model=${cpu%%:*}
-  path=${cpu##*:}
-  skip='*DemoShape*'
+# Each emulated process runs on one core: the jobs below run side by side (the two x86 CPU models while the
+# ARM64 build compiles, then the two ARM64 programs), each one's output printed when it is done.
+jobs_pids=()
+jobs_logs=()
+trap 'kill "${jobs_pids[@]}" 2>/dev/null || true' EXIT
+jobs_names=()
+start_job() {  # name, log file, command... (a shell function runs in a subshell, under set -e)
+  jobs_names+=("$1")
+  jobs_logs+=("$2")
+  shift 2
+  "$@" >"${jobs_logs[-1]}" 2>&1 &
+  jobs_pids+=($!)
+}
+wait_jobs() {  # waits for every started job, prints its output; fails when one failed
+  local i failed=0
+  for i in "${!jobs_pids[@]}"; do
+    if ! wait "${jobs_pids[$i]}"; then
+      failed=1
+      echo "emulated.sh: FAILED: ${jobs_names[$i]} (its output follows)"
+    fi
+    cat "${jobs_logs[$i]}"
+  done
+  jobs_pids=()
+  jobs_logs=()
+  jobs_names=()
+  return $failed
+}
+run_x86() {  # CPU model, the path it must get
+  local model=$1 path=$2 skip='*DemoShape*'
   [ "$model" = Haswell ] && skip="$skip:$haswell_skip"
   echo "emulated.sh: x86-64 -cpu $model (expects the $path path)"
   export SDPA_EXPECT_ISA=$path
@@ -48,9 +73,13 @@ for cpu in Nehalem:portable Haswell:avx2; do
   qemu-x86_64 -cpu "$model" "$x86/tests/module_tests" --gtest_brief=1 --gtest_filter="$module_filter:-$skip"
   qemu-x86_64 -cpu "$model" "$x86/tests/kernel_tests" --gtest_brief=1 --gtest_filter="$cache_filter:-$skip"
   unset SDPA_EXPECT_ISA
-done
-echo "emulated.sh: the ODR test under -cpu Haswell"
-qemu-x86_64 -cpu Haswell "$x86/tests/odr_test" avx2
+  if [ "$model" = Haswell ]; then
+    echo "emulated.sh: the ODR test under -cpu Haswell"
+    qemu-x86_64 -cpu Haswell "$x86/tests/odr_test" avx2
+  fi
+}
+start_job "x86-64 -cpu Nehalem" "$work/x86-nehalem.log" run_x86 Nehalem portable
+start_job "x86-64 -cpu Haswell" "$work/x86-haswell.log" run_x86 Haswell avx2
 
 # 3. ARM64.
 arm="$work/aarch64"
@@ -72,9 +101,13 @@ cmake -S "$root" -B "$arm" "${arm_generator[@]}" -DCMAKE_TOOLCHAIN_FILE="$root/c
   -DGTest_DIR="$gtest/lib/cmake/GTest" -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF -DSDPA_IO=OFF \
   -DSDPA_ONEDNN=OFF >/dev/null
 cmake --build "$arm" -j "$jobs" --target module_tests kernel_tests
+wait_jobs
 echo "emulated.sh: ARM64 under qemu-aarch64"
 export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
 export SDPA_EXPECT_ISA=portable
-qemu-aarch64 "$arm/tests/module_tests" --gtest_brief=1 --gtest_filter="$module_filter:TrainingTest*:-*DemoShape*"
-qemu-aarch64 "$arm/tests/kernel_tests" --gtest_brief=1 --gtest_filter='KVCacheTest*:BackwardTest/0.*'
+start_job "ARM64 module_tests" "$work/arm64-module.log" qemu-aarch64 "$arm/tests/module_tests" --gtest_brief=1 \
+  --gtest_filter="$module_filter:TrainingTest*:-*DemoShape*"
+start_job "ARM64 kernel_tests" "$work/arm64-kernel.log" qemu-aarch64 "$arm/tests/kernel_tests" --gtest_brief=1 \
+  --gtest_filter='KVCacheTest*:BackwardTest/0.*'
+wait_jobs
 echo "emulated.sh: all passed"
