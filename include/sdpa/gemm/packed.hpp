@@ -192,6 +192,18 @@ void multiply_blocks(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scala
   });
 }
 
+// multiply_blocks on the kernel of the path `isa`: the one function multiply calls, so that
+// sdpa/instances.hpp compiles the kernels' tiles for the packed products once per program (with
+// SDPA_EXTERN_TEMPLATES a caller's translation unit only calls it).
+template <typename Scalar>
+void multiply_packed(Isa isa, Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a_packed, const Scalar* a,
+                     Eigen::Index lda, const Scalar* b_packed, Scalar alpha, Scalar beta, Scalar* c, Eigen::Index ldc,
+                     const Scalar* bias, const Eigen::ThreadPoolDevice* device) {
+  simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) {
+    multiply_blocks<decltype(kernel), Scalar>(m, n, k, a_packed, a, lda, b_packed, alpha, beta, c, ldc, bias, device);
+  });
+}
+
 }  // namespace detail
 
 // C[m, n] (ldc) = alpha * A B + beta * C, plus bias[j] on every row's column j when bias is given, for
@@ -210,10 +222,7 @@ void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDedu
     detail::scale_only(m, n, beta, bias, c, ldc);
     return;
   }
-  simd::with_gemm_kernel<Scalar>(a.isa(), [&](auto kernel) {
-    detail::multiply_blocks<decltype(kernel), Scalar>(m, n, k, a.data(), nullptr, 0, b.data(), alpha, beta, c, ldc,
-                                                      bias, device);
-  });
+  detail::multiply_packed<Scalar>(a.isa(), m, n, k, a.data(), nullptr, 0, b.data(), alpha, beta, c, ldc, bias, device);
 }
 
 // C[m, n] (ldc) = alpha * A B + beta * C (+ bias[n]) with A = a[m, b.depth()] (row-major, leading
@@ -232,10 +241,7 @@ void multiply(Eigen::Index m, const Scalar* a, Eigen::Index lda, const PackedB<S
     detail::scale_only(m, n, beta, bias, c, ldc);
     return;
   }
-  simd::with_gemm_kernel<Scalar>(b.isa(), [&](auto kernel) {
-    detail::multiply_blocks<decltype(kernel), Scalar>(m, n, k, nullptr, a, lda, b.data(), alpha, beta, c, ldc, bias,
-                                                      device);
-  });
+  detail::multiply_packed<Scalar>(b.isa(), m, n, k, nullptr, a, lda, b.data(), alpha, beta, c, ldc, bias, device);
 }
 
 }  // namespace gemm
