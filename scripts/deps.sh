@@ -21,3 +21,14 @@ sdpa_install_missing() {
     return 1
   fi
 }
+
+# Prints "-G Ninja" (one word per line, for mapfile) when Ninja is installed and the build dir $1 is new or
+# already Ninja's, nothing otherwise: Ninja, unlike Make, compiles a test program's files while the
+# kernels' library the program links is still compiling, which keeps both cores of a small machine busy.
+# A build dir keeps the generator it was made with.
+sdpa_generator_args() {
+  if command -v ninja >/dev/null && { [ ! -f "$1/CMakeCache.txt" ] ||
+    grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$1/CMakeCache.txt"; }; then
+    printf '%s\n' -G Ninja
+  fi
+}

@@ -92,11 +92,7 @@ if [ ! -f "$gtest/.complete" ]; then
   cmake --install "$work/gtest-build-aarch64" >/dev/null
   touch "$gtest/.complete"
 fi
-# Ninja when installed (CI installs it): the test programs compile while the kernels' library does.
-arm_generator=()
-if command -v ninja >/dev/null && { [ ! -f "$arm/CMakeCache.txt" ] || grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$arm/CMakeCache.txt"; }; then
-  arm_generator=(-G Ninja)
-fi
+mapfile -t arm_generator < <(sdpa_generator_args "$arm")
 cmake -S "$root" -B "$arm" "${arm_generator[@]}" -DCMAKE_TOOLCHAIN_FILE="$root/cmake/aarch64-linux-gnu.cmake" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
   -DGTest_DIR="$gtest/lib/cmake/GTest" -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=OFF -DSDPA_IO=OFF \
   -DSDPA_ONEDNN=OFF >/dev/null

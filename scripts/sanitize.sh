@@ -17,13 +17,10 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 flags="-O1 -gline-tables-only -fno-omit-frame-pointer"
 
-# Ninja when installed (CI installs it): unlike Make it compiles a program's files while the kernels'
-# library it links is still compiling, which keeps both cores busy. A build dir keeps its generator.
+# Ninja when installed (CI installs it; sdpa_generator_args in scripts/deps.sh says why).
 configure() {  # build dir, C++ compiler, sanitizer flags
   local generator=()
-  if command -v ninja >/dev/null && { [ ! -f "$1/CMakeCache.txt" ] || grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$1/CMakeCache.txt"; }; then
-    generator=(-G Ninja)
-  fi
+  mapfile -t generator < <(sdpa_generator_args "$1")
   cmake -S "$root" -B "$1" "${generator[@]}" -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_COMPILER="$2" -DSDPA_BUILD_TESTS=ON \
     -DSDPA_BUILD_EXAMPLES=OFF -DSDPA_IO=ON -DSDPA_ONEDNN=OFF -DSDPA_MPI=OFF -DCMAKE_CXX_FLAGS="$3 $flags" >/dev/null
 }

@@ -9,13 +9,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 . "$root/scripts/deps.sh"
 sdpa_install_missing g++ make cmake ninja-build libeigen3-dev libgtest-dev nlohmann-json3-dev libdnnl-dev
 build=${SDPA_BUILD_DIR:-$root/build}
-# Ninja for a new build dir: unlike Make it compiles a test program's files while the kernels' library the
-# program links is still compiling, which keeps both cores of a small machine busy. A build dir keeps the
-# generator it was made with.
-generator=()
-if [ ! -f "$build/CMakeCache.txt" ] || grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$build/CMakeCache.txt"; then
-  generator=(-G Ninja)
-fi
+mapfile -t generator < <(sdpa_generator_args "$build")
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DSDPA_BUILD_TESTS=ON -DSDPA_BUILD_EXAMPLES=ON \
   -DSDPA_IO=ON -DSDPA_ONEDNN=ON -DSDPA_NATIVE=OFF -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" ${SDPA_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build" -j "$(nproc)"

@@ -40,16 +40,6 @@
 #include "sdpa/random.hpp"
 #include "sdpa/rotary.hpp"
 
-// With SDPA_EXTERN_TEMPLATES the kernels are compiled once per program, in the translation unit that
-// includes sdpa/instances.hpp, instead of in every one that calls them.
-#ifdef SDPA_EXTERN_TEMPLATES
-#include "sdpa/detail/instances.inc"
-SDPA_NAMESPACE_BEGIN
-SDPA_DETAIL_INSTANCES_OF(extern template, float)
-SDPA_DETAIL_INSTANCES_OF(extern template, double)
-SDPA_NAMESPACE_END
-#endif
-
 SDPA_NAMESPACE_BEGIN
 
 template <typename Scalar>

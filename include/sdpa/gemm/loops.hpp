@@ -262,3 +262,6 @@ void gemm_loops(Isa isa, Eigen::Index m, Eigen::Index k, Scalar alpha, const Sca
 }  // namespace detail
 }  // namespace gemm
 SDPA_NAMESPACE_END
+
+#include "sdpa/detail/instances.inc"
+SDPA_DETAIL_EXTERN_INSTANCES(GEMM_LOOPS)

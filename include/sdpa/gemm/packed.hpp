@@ -246,3 +246,6 @@ void multiply(Eigen::Index m, const Scalar* a, Eigen::Index lda, const PackedB<S
 
 }  // namespace gemm
 SDPA_NAMESPACE_END
+
+#include "sdpa/detail/instances.inc"
+SDPA_DETAIL_EXTERN_INSTANCES(MULTIPLY_PACKED)

@@ -560,3 +560,7 @@ void reference_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPo
 
 }  // namespace kernels
 SDPA_NAMESPACE_END
+
+#include "sdpa/detail/instances.inc"
+SDPA_DETAIL_EXTERN_INSTANCES(REFERENCE_BACKWARD)
+SDPA_DETAIL_EXTERN_INSTANCES(TILED_BACKWARD)

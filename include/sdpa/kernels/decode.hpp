@@ -264,3 +264,6 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
 
 }  // namespace kernels
 SDPA_NAMESPACE_END
+
+#include "sdpa/detail/instances.inc"
+SDPA_DETAIL_EXTERN_INSTANCES(DECODE_ATTENTION)

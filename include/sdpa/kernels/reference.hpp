@@ -110,3 +110,6 @@ void reference_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadP
 
 }  // namespace kernels
 SDPA_NAMESPACE_END
+
+#include "sdpa/detail/instances.inc"
+SDPA_DETAIL_EXTERN_INSTANCES(REFERENCE_ATTENTION)

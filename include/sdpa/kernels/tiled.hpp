@@ -494,3 +494,6 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
 
 }  // namespace kernels
 SDPA_NAMESPACE_END
+
+#include "sdpa/detail/instances.inc"
+SDPA_DETAIL_EXTERN_INSTANCES(TILED_ATTENTION)
