@@ -175,8 +175,9 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
       // block of a paged cache, whose blocks are multiples of kRows rows). A hidden key adds nothing, not even
       // a NaN in its value: a row's product covers its visible segment only, and a mask's holes inside it go
       // one key at a time.
-      // (No software prefetch of the next block's value rows: the hardware streams them, and on the Sapphire
-      // Rapids machine the prefetches only slowed the step down; bench/RESULTS.md.)
+      // (Float value rows are not prefetched: the hardware streams them, and on the Sapphire Rapids machine
+      // the prefetches only slowed the step down; bench/RESULTS.md. Stored ones are, on the paths whose
+      // kPrefetchStoredRows says so.)
       for (Index j0 = 0; j0 < n; j0 += kRows) {
         const Index m = std::min(kRows, n - j0);
         for (Index h = 0; h < p.heads; ++h) {
@@ -193,7 +194,11 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
             if (p.stored()) {
               // Solid or not, key by key where the mask has holes.
               if (seg.solid) {
-                stored_add_weighted_rows(p, av.data(), pr + jlo, b, h / p.kv_group, k0 + jlo, jhi - jlo);
+                // The next block's rows of this value head, where they follow in memory (the same block of a
+                // paged cache), are read next: once per value head, a hint to prefetch them.
+                const bool first = h % p.kv_group == 0 && q == 0;
+                const Index ahead = first ? std::clamp<Index>(p.run_of(k0 + jlo, n - jlo) - (jhi - jlo), 0, kRows) : Index{0};
+                stored_add_weighted_rows(p, av.data(), pr + jlo, b, h / p.kv_group, k0 + jlo, jhi - jlo, ahead);
               } else {
                 for (Index j = jlo; j < jhi; ++j)
                   if (!visibility.masked(b, h, q, k0 + j)) stored_add_weighted_rows(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});

@@ -87,21 +87,22 @@ void stored_chunk_scores(const AttentionProblem<Scalar>& p, Eigen::Index b, Eige
 }
 
 // simd::add_weighted_rows for the stored values of value head g of batch entry b, rows i0 .. i0 + m - 1
-// (inside one block when paged): acc[0, d_v) += sum over j of w[j] * value row i0 + j.
+// (inside one block when paged): acc[0, d_v) += sum over j of w[j] * value row i0 + j. Rows i0 + m ..
+// i0 + m + ahead - 1, which must lie in the same block, are read next (simd::add_weighted_rows_stored).
 template <typename Scalar>
 void stored_add_weighted_rows(const AttentionProblem<Scalar>& p, Scalar* acc, const Scalar* w, Eigen::Index b,
-                              Eigen::Index g, Eigen::Index i0, Eigen::Index m) noexcept {
+                              Eigen::Index g, Eigen::Index i0, Eigen::Index m, Eigen::Index ahead = 0) noexcept {
   using Index = Eigen::Index;
   if constexpr (std::is_same<Scalar, float>::value) {
     const Index row = p.row_of(b, i0);
     const Index offset = b * p.v.batch_stride + row * p.v.row_stride + g * p.v.head_stride;
     const float* scales = p.v_scales != nullptr ? p.v_scales + b * p.scale_batch_stride + row * p.kv_heads() + g : nullptr;
     const auto run = [&](const auto* v) {
-      simd::add_weighted_rows_stored(p.isa, acc, p.d_v, w, v + offset, p.v.row_stride, scales, p.kv_heads(), m);
+      simd::add_weighted_rows_stored(p.isa, acc, p.d_v, w, v + offset, p.v.row_stride, scales, p.kv_heads(), m, ahead);
     };
     with_stored_entries(p.kv_storage, p.v_stored, run);
   } else {
-    (void)p, (void)acc, (void)w, (void)b, (void)g, (void)i0, (void)m;
+    (void)p, (void)acc, (void)w, (void)b, (void)g, (void)i0, (void)m, (void)ahead;
   }
 }
 

@@ -374,6 +374,11 @@ inline void softcap_row(float* x, Eigen::Index n, float cap) noexcept {
   }
 }
 
+// Whether the row kernels over stored (narrow) keys and values prefetch the rows they read next: not on
+// this path, as on the AVX-512 Sapphire Rapids software prefetches slowed the decoding step down
+// (bench/RESULTS.md).
+constexpr bool kPrefetchStoredRows = false;
+
 #include "sdpa/simd/generic_gemm.inc"
 #include "sdpa/simd/generic_rows.inc"
 

@@ -164,13 +164,13 @@ void chunk_scores_stored(Isa isa, const T* k, Eigen::Index k_row, Eigen::Index k
 
 template <typename T>
 void add_weighted_rows_stored(Isa isa, float* acc, Eigen::Index n, const float* w, const T* rows, Eigen::Index stride,
-                              const float* scales, Eigen::Index scale_stride, Eigen::Index m) noexcept {
+                              const float* scales, Eigen::Index scale_stride, Eigen::Index m, Eigen::Index ahead = 0) noexcept {
 #if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m);
-  if (isa == Isa::kAvx2) return avx2::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m);
+  if (isa == Isa::kAvx512) return avx512::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m, ahead);
+  if (isa == Isa::kAvx2) return avx2::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m, ahead);
 #endif
   (void)isa;
-  portable::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m);
+  portable::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m, ahead);
 }
 
 // The natural order of the features of an accumulator that add_weighted_rows_stored filled from bfloat16

@@ -177,7 +177,7 @@ void chunk_scores_stored(const T* k, Eigen::Index k_row, Eigen::Index k_head, Ei
 
 template <typename T>
 void add_weighted_rows_stored(float* acc, Eigen::Index n, const float* w, const T* rows, Eigen::Index stride,
-                              const float* scales, Eigen::Index scale_stride, Eigen::Index m) noexcept {
+                              const float* scales, Eigen::Index scale_stride, Eigen::Index m, Eigen::Index /*ahead*/ = 0) noexcept {
   std::vector<float>& wide = widen_scratch(static_cast<std::size_t>(n));
   for (Eigen::Index j = 0; j < m; ++j) {
     for (Eigen::Index c = 0; c < n; ++c) {
