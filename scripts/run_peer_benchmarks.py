@@ -73,10 +73,16 @@ def main():
     b = os.path.join(build, "bench")
     if args.report_only:
         DRY_RUN[0] = True  # the JSON files of the last run are read instead
-    gemm, context = bench(os.path.join(b, "gemm_bench"), "fma_peak|^(qkv|fc_o)/.*/(sdpa_avx512|eigen|dnnl_sgemm)/",
+    # gemm_bench names its cases after the path the machine runs (sdpa_avx512, sdpa_avx2, ...); that path's
+    # fma_peak/<isa> tells which. On an AVX-512 machine the AVX2 build is measured too (SDPA_ISA=avx2).
+    gemm, context = bench(os.path.join(b, "gemm_bench"), "fma_peak|^(qkv|fc_o)/.*/(sdpa_[a-z0-9]+|eigen|dnnl_sgemm)/",
                           args.repetitions, os.path.join(build, "peers_gemm.json"))
-    gemm2, _ = bench(os.path.join(b, "gemm_bench"), "fma_peak|^(qkv|fc_o)/.*/sdpa_avx2/", args.repetitions,
-                     os.path.join(build, "peers_gemm_avx2.json"), {"SDPA_ISA": "avx2"})
+    isa = next(m.group(1) for m in (re.match(r"fma_peak/([a-z0-9]+)", n) for n in gemm) if m)
+    isa_label = {"avx512": "AVX-512", "avx2": "AVX2"}.get(isa, isa)
+    gemm2 = None
+    if isa == "avx512":
+        gemm2, _ = bench(os.path.join(b, "gemm_bench"), "fma_peak|^(qkv|fc_o)/.*/sdpa_avx2/", args.repetitions,
+                         os.path.join(build, "peers_gemm_avx2.json"), {"SDPA_ISA": "avx2"})
     table, _ = bench(os.path.join(b, "table_bench"), "fma_peak|table/", args.repetitions,
                      os.path.join(build, "peers_table.json"))
 
@@ -134,8 +140,9 @@ def main():
     def best_peak(runs, isa):
         return {t: max(g for _, g in runs[find(runs, rf"fma_peak/{isa}/.*threads:{t}$")]) for t in (1, 2)}
 
-    peak, peak2, tpeak = peak_of(gemm, "avx512"), peak_of(gemm2, "avx2"), peak_of(table, "avx512")
-    top, ttop = best_peak(gemm, "avx512"), best_peak(table, "avx512")
+    peak, tpeak = peak_of(gemm, isa), peak_of(table, isa)
+    peak2 = peak_of(gemm2, "avx2") if gemm2 else None
+    top, ttop = best_peak(gemm, isa), best_peak(table, isa)
     lines = [BEGIN, "## Against the peers: PyTorch 2.6, ONNX Runtime 1.21, and the machine's limits", ""]
     lines.append("Command: `/usr/bin/python3 scripts/run_peer_benchmarks.py --build` on "
                  + context.get("host_name", "this machine") + ", " + context.get("date", "")
@@ -154,24 +161,28 @@ def main():
                   + "; ".join(l.strip() for l in pip_info[:5] if l.strip() and not l.startswith("---")), ""]
     lines += ["FMA peak, measured by each benchmark binary beside its cases (fma_peak, repetitions interleaved "
               "with the cases' in random order; median, and best in brackets): "
-              f"products AVX-512 {peak[1]:.0f} ({top[1]:.0f}) GFLOP/s on 1 core, {peak[2]:.0f} ({top[2]:.0f}) on 2; "
-              f"AVX2 build {peak2[1]:.0f} and {peak2[2]:.0f}; module runs {tpeak[1]:.0f} ({ttop[1]:.0f}) and "
+              f"products {isa_label} {peak[1]:.0f} ({top[1]:.0f}) GFLOP/s on 1 core, {peak[2]:.0f} ({top[2]:.0f}) on 2; "
+              + (f"AVX2 build {peak2[1]:.0f} and {peak2[2]:.0f}; " if peak2 else "")
+              + f"module runs {tpeak[1]:.0f} ({ttop[1]:.0f}) and "
               f"{tpeak[2]:.0f} ({ttop[2]:.0f}). Each % of the FMA peak below is a median rate over the median peak "
               "of the same binary's run.", ""]
     lines += ["### Matrix products (the demo's projection shapes)", "",
-              "| product | threads | sdpa::gemm | % of FMA peak | Eigen | dnnl_sgemm | sdpa::gemm AVX2 build | % of AVX2 peak |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"| product | threads | sdpa::gemm ({isa_label}) | % of FMA peak | Eigen | dnnl_sgemm |"
+              + (" sdpa::gemm AVX2 build | % of AVX2 peak |" if gemm2 else ""),
+              "|---|---|---|---|---|---|" + ("---|---|" if gemm2 else "")]
     for shape, label in (("qkv", "fused QKV 2450 x 512 x 12288"), ("fc_o", "fc_o 2450 x 4096 x 512")):
         for t in (1, 2):
-            ours = best(gemm, find(gemm, rf"^{shape}/.*/sdpa_avx512/threads:{t}"))[2]
+            ours = best(gemm, find(gemm, rf"^{shape}/.*/sdpa_{isa}/threads:{t}"))[2]
             eig = best(gemm, find(gemm, rf"^{shape}/.*/eigen/threads:{t}"))[2]
             try:
                 dn = f"{best(gemm, find(gemm, rf'^{shape}/.*/dnnl_sgemm/threads:{t}'))[2]:.0f}"
             except StopIteration:
                 dn = "—"
-            a2 = best(gemm2, find(gemm2, rf"^{shape}/.*/sdpa_avx2/threads:{t}"))[2]
-            lines.append(f"| {label} | {t} | {ours:.0f} GFLOP/s | {100 * ours / peak[t]:.0f}% | {eig:.0f} | {dn} | "
-                         f"{a2:.0f} | {100 * a2 / peak2[t]:.0f}% |")
+            row = f"| {label} | {t} | {ours:.0f} GFLOP/s | {100 * ours / peak[t]:.0f}% | {eig:.0f} | {dn} |"
+            if gemm2:
+                a2 = best(gemm2, find(gemm2, rf"^{shape}/.*/sdpa_avx2/threads:{t}"))[2]
+                row += f" {a2:.0f} | {100 * a2 / peak2[t]:.0f}% |"
+            lines.append(row)
     lines += ["", "### The module", "",
               "GFLOP/s and % of the FMA peak are sdpa's medians; the ratios compare sdpa's fastest run with the peers' "
               "fastest (they report their best of several runs).", "",
@@ -216,7 +227,7 @@ def main():
         qkv_dnnl = max(g for _, g in gemm[find(gemm, r"^qkv/.*/dnnl_sgemm/threads:1")])
     except StopIteration:
         pass
-    qkv_ours = max(g for _, g in gemm[find(gemm, r"^qkv/.*/sdpa_avx512/threads:1")])
+    qkv_ours = max(g for _, g in gemm[find(gemm, rf"^qkv/.*/sdpa_{isa}/threads:1")])
     lines += ["", "### What 1.2x ahead of ONNX Runtime takes", "",
               "The time the target allows (ONNX Runtime's best / 1.2), the end-to-end rate that time means (the "
               "peers' FLOP count over it), as % of the best FMA peak the run measured; beside sdpa's best run. "
@@ -250,12 +261,15 @@ def main():
             lines.append(f"| {label}, {t} thread{'s' if t > 1 else ''}: faster than PyTorch {pip_torch}'s best | "
                          f"{vs_pip_torch:.2f}x | > 1x | {'**PASS**' if vs_pip_torch > 1.0 else '**FAIL**'} |")
     for shape in ("qkv", "fc_o"):
-        ours = best(gemm, find(gemm, rf"^{shape}/.*/sdpa_avx512/threads:1"))[2]
-        lines.append(f"| {shape} product, 1 thread, % of the AVX-512 FMA peak | {100 * ours / peak[1]:.0f}% | >= 85% | "
-                     f"{'**PASS**' if ours >= 0.85 * peak[1] else '**FAIL**'} |")
-        a2 = best(gemm2, find(gemm2, rf"^{shape}/.*/sdpa_avx2/threads:1"))[2]
-        lines.append(f"| {shape} product, AVX2 build, 1 thread, % of the AVX2 FMA peak | {100 * a2 / peak2[1]:.0f}% | >= 80% | "
-                     f"{'**PASS**' if a2 >= 0.80 * peak2[1] else '**FAIL**'} |")
+        # The targets of the issue that set them: 85% of the peak on AVX-512, 80% on AVX2.
+        ours = best(gemm, find(gemm, rf"^{shape}/.*/sdpa_{isa}/threads:1"))[2]
+        need = 0.85 if isa == "avx512" else 0.80
+        lines.append(f"| {shape} product, 1 thread, % of the {isa_label} FMA peak | {100 * ours / peak[1]:.0f}% | "
+                     f">= {100 * need:.0f}% | {'**PASS**' if ours >= need * peak[1] else '**FAIL**'} |")
+        if gemm2:
+            a2 = best(gemm2, find(gemm2, rf"^{shape}/.*/sdpa_avx2/threads:1"))[2]
+            lines.append(f"| {shape} product, AVX2 build, 1 thread, % of the AVX2 FMA peak | {100 * a2 / peak2[1]:.0f}% | >= 80% | "
+                         f"{'**PASS**' if a2 >= 0.80 * peak2[1] else '**FAIL**'} |")
     for label, t, _, _, pct, _, _ in targets:
         if t == 1:
             need = 70 if "causal" in label else 75

@@ -180,6 +180,7 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
       // kPrefetchStoredRows says so.)
       for (Index j0 = 0; j0 < n; j0 += kRows) {
         const Index m = std::min(kRows, n - j0);
+        Index prefetched = -1;  // the last value head whose next block was prefetched for this block
         for (Index h = 0; h < p.heads; ++h) {
           for (Index q = 0; q < p.nq; ++q) {
             const Index r = h * p.nq + q;
@@ -195,10 +196,12 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
               // Solid or not, key by key where the mask has holes.
               if (seg.solid) {
                 // The next block's rows of this value head, where they follow in memory (the same block of a
-                // paged cache), are read next: once per value head, a hint to prefetch them.
-                const bool first = h % p.kv_group == 0 && q == 0;
-                const Index ahead = first ? std::clamp<Index>(p.run_of(k0 + jlo, n - jlo) - (jhi - jlo), 0, kRows) : Index{0};
-                stored_add_weighted_rows(p, av.data(), pr + jlo, b, h / p.kv_group, k0 + jlo, jhi - jlo, ahead);
+                // paged cache), are read next: a hint to prefetch them, given by the first row of the value
+                // head's query heads whose visible segment reaches this block solidly.
+                const Index g = h / p.kv_group;
+                const Index ahead = g != prefetched ? std::clamp<Index>(p.run_of(k0 + jlo, n - jlo) - (jhi - jlo), 0, kRows) : Index{0};
+                prefetched = g;
+                stored_add_weighted_rows(p, av.data(), pr + jlo, b, g, k0 + jlo, jhi - jlo, ahead);
               } else {
                 for (Index j = jlo; j < jhi; ++j)
                   if (!visibility.masked(b, h, q, k0 + j)) stored_add_weighted_rows(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
