@@ -17,7 +17,10 @@
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <memory>
 #include <string>
+#include <system_error>
+#include <utility>
 #include <vector>
 
 #include "sdpa/kv_cache.hpp"
@@ -145,8 +148,19 @@ TEST(HfModels, ConfigsGiveEachLayerItsSettings) {
   EXPECT_NEAR(qwen.rotary.attention_factor, 0.1 * std::log(4.0) + 1, 1e-15);
 }
 
-// A directory of this test's own holding a copy of a model with config.json edited by `edit`.
-std::string edited_model(const std::string& model, const std::function<void(nlohmann::json&)>& edit) {
+// A directory of this test's own, removed with it (`dir`), holding a copy of a model with config.json edited by `edit`.
+struct EditedModel {
+  std::string dir;
+  explicit EditedModel(std::string d) : dir(std::move(d)) {}
+  EditedModel(const EditedModel&) = delete;
+  EditedModel& operator=(const EditedModel&) = delete;
+  ~EditedModel() {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+};
+
+std::unique_ptr<EditedModel> edited_model(const std::string& model, const std::function<void(nlohmann::json&)>& edit) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   const std::filesystem::path dir = std::filesystem::temp_directory_path() /
                                     ("sdpa_hf_" + std::to_string(::getpid()) + "_" + info->name() + "_" + model);
@@ -157,7 +171,7 @@ std::string edited_model(const std::string& model, const std::function<void(nloh
   nlohmann::json j = nlohmann::json::parse(in);
   edit(j);
   std::ofstream(dir / "config.json") << j.dump(2);
-  return dir.string();
+  return std::make_unique<EditedModel>(dir.string());
 }
 
 template <typename Fn>
@@ -192,7 +206,8 @@ TEST(HfModels, MissingTensorsAndWrongShapesAreRefusedNamingThem) {
   msg = message_of([&] { sdpa::load_hf_attention(att, dir + "/model.safetensors", "model.layers.7.self_attn.", HfLayout::kLlama); });
   EXPECT_NE(msg.find("\"model.layers.7.self_attn.q_proj.weight\" is missing"), std::string::npos) << msg;
   // Mistral's k_proj (1 kv head) read as Llama's layout with 2 kv heads: the shapes disagree.
-  const std::string mixed = edited_model("mistral", [](nlohmann::json& j) { j["num_key_value_heads"] = 2; });
+  const auto edited = edited_model("mistral", [](nlohmann::json& j) { j["num_key_value_heads"] = 2; });
+  const std::string& mixed = edited->dir;
   const auto c2 = sdpa::read_hf_config(mixed + "/config.json", HfLayout::kMistral);
   auto att2 = sdpa::make_hf_attention<float>(c2);
   msg = message_of([&] { sdpa::load_hf_attention(att2, mixed + "/model.safetensors", "model.layers.0.self_attn.", HfLayout::kMistral); });
@@ -215,7 +230,8 @@ TEST(HfModels, MissingTensorsAndWrongShapesAreRefusedNamingThem) {
 TEST(HfModels, ConfigsSdpaCannotFollowAreRefused) {
   const auto refuse = [](const std::string& model, HfLayout layout, const std::function<void(nlohmann::json&)>& edit,
                          const std::string& expected) {
-    const std::string dir = edited_model(model, edit);
+    const auto edited = edited_model(model, edit);
+    const std::string& dir = edited->dir;
     const std::string msg = message_of([&] { sdpa::read_hf_config(dir + "/config.json", layout); });
     EXPECT_NE(msg.find(expected), std::string::npos) << msg;
     EXPECT_NE(msg.find(dir), std::string::npos) << msg;
@@ -230,7 +246,8 @@ TEST(HfModels, ConfigsSdpaCannotFollowAreRefused) {
   const std::string msg = message_of([] { sdpa::read_hf_config(model_dir("none") + "/config.json", HfLayout::kBert); });
   EXPECT_NE(msg.find("cannot open"), std::string::npos) << msg;
   // A module whose head count the config does not divide is refused by the constructor it builds.
-  const std::string odd = edited_model("llama", [](nlohmann::json& j) { j["num_key_value_heads"] = 3; });
+  const auto edited = edited_model("llama", [](nlohmann::json& j) { j["num_key_value_heads"] = 3; });
+  const std::string& odd = edited->dir;
   const auto c = sdpa::read_hf_config(odd + "/config.json", HfLayout::kLlama);
   EXPECT_THROW(sdpa::make_hf_attention<float>(c), std::invalid_argument);
 }
