@@ -653,9 +653,10 @@ TYPED_TEST(GemmTest, NarrowEdgeTileGivesTheFullTilesBits) {
   }
 }
 
-// A full tile (on AVX-512 its k loop is assembly, sdpa/simd/avx512_tile.hpp, from a depth of 384) gives
-// each row the bits that a one-row edge tile (the intrinsics' loop) gives it, with A packed or in place,
-// for depths with and without a remainder of k steps past a multiple of four, and columns with an edge.
+// A full tile (its k loop is assembly: on AVX-512 from a depth of 384, sdpa/simd/avx512_tile.hpp; on AVX2
+// at every depth, avx2_tile.hpp) gives each row the bits that a one-row edge tile (the intrinsics' loop)
+// gives it, with A packed or in place, for depths with and without a remainder of k steps past a multiple
+// of four (the attention tiles' 64 and 256 among them), and columns with an edge.
 TYPED_TEST(GemmTest, FullTileGivesTheEdgeTilesBits) {
   using T = TypeParam;
   std::mt19937 gen(29);
@@ -667,7 +668,8 @@ TYPED_TEST(GemmTest, FullTileGivesTheEdgeTilesBits) {
     } else {
       const Index kc_max = sdpa::gemm::blocking<T>().kc;
       for (const Index m : {Index(6), Index(13)}) {
-        for (const Index k : {Index(255), Index(383), Index(384), Index(385), Index(387), Index(kc_max)}) {
+        for (const Index k : {Index(1), Index(3), Index(4), Index(6), Index(64), Index(255), Index(256), Index(383),
+                              Index(384), Index(385), Index(387), Index(kc_max)}) {
           const Index n = 2 * K::nr + 5, lda = k + 3;
           std::vector<T> a(to_size(m * lda)), b(to_size(n * k));
           for (T& x : a) x = T(u(gen));

@@ -10,6 +10,9 @@
 
 #include "sdpa/detail/eigen.hpp"
 
+#include <cstddef>
+#include <cstdint>
+
 SDPA_NAMESPACE_BEGIN
 namespace gemm {
 namespace detail {
@@ -81,6 +84,25 @@ struct Epilogue {
   const Scalar* bias;
   bool first;  // false: C += alpha * acc
 };
+
+// The arguments of an ISA's full-tile k loop in assembly (simd/avx512_tile.hpp, simd/avx2_tile.hpp), read
+// from memory by the asm statement (one operand instead of eleven, which leaves room for the accumulator
+// outputs within GCC's limit of 30 operands). The register each field goes to is the loops' contract.
+struct TileLoopArgs {
+  const char* a;             // r8
+  const char* a3;            // r9: a + 3 * row_bytes
+  std::int64_t row_bytes;    // r10
+  const char* b;             // r11
+  std::int64_t iterations;   // r12: kc / 4
+  std::int64_t rem;          // r13: kc % 4
+  const char* line;          // rax
+  std::int64_t seg_left;     // rcx
+  std::int64_t seg_lines;    // rdx
+  std::int64_t seg_skip;     // rsi
+  std::int64_t rows_left;    // rdi
+};
+static_assert(sizeof(const char*) == 8 && offsetof(TileLoopArgs, rows_left) == 80,
+              "TileLoopArgs: the asm statements read its fields at offsets 0, 8, ..., 80");
 
 }  // namespace detail
 }  // namespace gemm

@@ -34,6 +34,8 @@
 SDPA_NAMESPACE_BEGIN
 namespace avx2 {
 
+#include "sdpa/simd/avx2_tile.hpp"
+
 template <typename Scalar>
 struct Vec;
 
@@ -45,6 +47,14 @@ struct Vec<float> {
   static constexpr Eigen::Index width = 8;
   static constexpr Eigen::Index kGemmRows = 6;
   static constexpr Eigen::Index kGemmVectors = 2;
+  // The full tile's k loop in assembly (sdpa/simd/avx2_tile.hpp), from kTileMinDepth steps.
+  static constexpr bool kHasTileKLoop = true;
+  static constexpr Eigen::Index kTileMinDepth = 1;
+  using TileLoopArgs = gemm::detail::TileLoopArgs;
+  template <std::int64_t StepBytes>
+  SDPA_ALWAYS_INLINE static void tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][2]) noexcept {
+    gemm_tile_k_loop<float, StepBytes>(args, acc);
+  }
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
   static Reg zero() noexcept { return _mm256_setzero_ps(); }
@@ -146,6 +156,14 @@ struct Vec<double> {
   static constexpr Eigen::Index width = 4;
   static constexpr Eigen::Index kGemmRows = 6;
   static constexpr Eigen::Index kGemmVectors = 2;
+  // The full tile's k loop in assembly (sdpa/simd/avx2_tile.hpp), from kTileMinDepth steps.
+  static constexpr bool kHasTileKLoop = true;
+  static constexpr Eigen::Index kTileMinDepth = 1;
+  using TileLoopArgs = gemm::detail::TileLoopArgs;
+  template <std::int64_t StepBytes>
+  SDPA_ALWAYS_INLINE static void tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][2]) noexcept {
+    gemm_tile_k_loop<double, StepBytes>(args, acc);
+  }
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
   static Reg zero() noexcept { return _mm256_setzero_pd(); }

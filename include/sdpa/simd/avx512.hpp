@@ -57,7 +57,8 @@ struct Vec<float> {
   static constexpr Eigen::Index kGemmVectors = 4;
   // The full tile's k loop in assembly (sdpa/simd/avx512_tile.hpp).
   static constexpr bool kHasTileKLoop = true;
-  using TileLoopArgs = avx512::TileLoopArgs;
+  static constexpr Eigen::Index kTileMinDepth = 384;
+  using TileLoopArgs = gemm::detail::TileLoopArgs;
   template <std::int64_t StepBytes>
   SDPA_ALWAYS_INLINE static void tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][4]) noexcept {
     gemm_tile_k_loop<float, StepBytes>(args, acc);
@@ -175,7 +176,8 @@ struct Vec<double> {
   static constexpr Eigen::Index kGemmVectors = 4;
   // The full tile's k loop in assembly (sdpa/simd/avx512_tile.hpp).
   static constexpr bool kHasTileKLoop = true;
-  using TileLoopArgs = avx512::TileLoopArgs;
+  static constexpr Eigen::Index kTileMinDepth = 384;
+  using TileLoopArgs = gemm::detail::TileLoopArgs;
   template <std::int64_t StepBytes>
   SDPA_ALWAYS_INLINE static void tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6][4]) noexcept {
     gemm_tile_k_loop<double, StepBytes>(args, acc);

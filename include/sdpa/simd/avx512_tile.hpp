@@ -22,23 +22,7 @@
 // others are clobbered), B zmm24-27, broadcasts zmm28-31; the arguments in fixed general registers.
 #pragma once
 
-// The loop's arguments, read from memory by the asm statement (one operand instead of eleven, which leaves
-// room for the 24 accumulator outputs within GCC's limit of 30 operands).
-struct TileLoopArgs {
-  const char* a;             // r8
-  const char* a3;            // r9: a + 3 * row_bytes
-  std::int64_t row_bytes;    // r10
-  const char* b;             // r11
-  std::int64_t iterations;   // r12: kc / 4
-  std::int64_t rem;          // r13: kc % 4
-  const char* line;          // rax
-  std::int64_t seg_left;     // rcx
-  std::int64_t seg_lines;    // rdx
-  std::int64_t seg_skip;     // rsi
-  std::int64_t rows_left;    // rdi
-};
-static_assert(sizeof(const char*) == 8 && offsetof(TileLoopArgs, rows_left) == 80,
-              "TileLoopArgs: the asm statement reads its fields at offsets 0, 8, ..., 80");
+using TileLoopArgs = gemm::detail::TileLoopArgs;  // the loop's arguments (sdpa/gemm/epilogue.hpp)
 
 #define SDPA_DETAIL_TILE_B(u, PS)                  \
   "vmova" PS " " #u "*256+0(%%r11), %%zmm24\n\t"   \
