@@ -1064,11 +1064,12 @@ TEST(TileConfig, WithoutEigensProductsOnlyTheCachesBound) {
         EXPECT_EQ(c.block_k, eigen.block_k);
         EXPECT_GE(c.block_q, eigen.block_q);
         EXPECT_GE(c.group * c.block_q, eigen.group * eigen.block_q);
+        const Index sized = std::max(l2, Index(1) << 20);  // an L2 under 1 MiB is taken as 1 MiB
         if (c.block_q > 16) {
-          EXPECT_LE(c.block_q * c.block_k * bytes, l2 / 8);
+          EXPECT_LE(c.block_q * c.block_k * bytes, sized / 8);
         }
         if (c.group > 1) {
-          EXPECT_LE(c.group * c.block_q * 2 * d * bytes, l2 / 2);
+          EXPECT_LE(c.group * c.block_q * 2 * d * bytes, sized / 2);
         }
       }
   // A 2 MiB L2, float, d 64: 128 x 512 tiles in groups of 16 (Eigen's bound: 64 x 512 in groups of 8).
@@ -1076,6 +1077,13 @@ TEST(TileConfig, WithoutEigensProductsOnlyTheCachesBound) {
   EXPECT_EQ(c.block_q, 128);
   EXPECT_EQ(c.block_k, 512);
   EXPECT_EQ(c.group, 16);
+  // 1 MiB and anything smaller: 128 x 256 in groups of 8.
+  for (const Index l2 : {Index(1) << 20, Index(512) << 10, Index(128) << 10}) {
+    const TileConfig small = TileConfig::for_caches(4, 64, 64, l2, false);
+    EXPECT_EQ(small.block_q, 128) << l2;
+    EXPECT_EQ(small.block_k, 256) << l2;
+    EXPECT_EQ(small.group, 8) << l2;
+  }
 }
 
 // The tile loop runs on scratch sized once per chunk of work: with Eigen's heap allocation forbidden the

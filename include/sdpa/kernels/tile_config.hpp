@@ -24,7 +24,8 @@ struct TileConfig {
   // key, value and query blocks once for several tiles; the path the packing is tested against.
   bool pack_operands = true;
 
-  // The rule, for `scalar_bytes`-wide elements and the per-core L2 size in bytes. Everything a group
+  // The rule, for `scalar_bytes`-wide elements and the per-core L2 size in bytes (at least 1 MiB, below).
+  // Everything a group
   // touches should stay in L2: the k and v blocks (block_k x (d_k + d_v)) get an eighth of it, the score
   // tile (block_q x block_k) another eighth, and the group's q rows and output accumulators
   // (group x block_q x (d_k + d_v)) half, leaving the rest for their packed copies. With
@@ -43,7 +44,10 @@ struct TileConfig {
     scalar_bytes = std::max<Eigen::Index>(1, scalar_bytes);
     d_k = std::max<Eigen::Index>(1, d_k);
     d_v = std::max<Eigen::Index>(1, d_v);
-    l2_bytes = std::max<Eigen::Index>(l2_bytes, 128 * 1024);
+    // An L2 under 1 MiB is taken as 1 MiB: on a 512 KiB L2 (an AMD Zen 3 with a 32 MiB L3) the blocks of
+    // a 1 MiB one, whose k and v blocks and group spill to L3, were 5-8% faster than the blocks that fit
+    // (1 x 4096, d = 64, 1 and 2 threads; bench/RESULTS.md): fewer, longer products per packed operand.
+    l2_bytes = std::max<Eigen::Index>(l2_bytes, Eigen::Index(1) << 20);
     const auto floor_pow2 = [](Eigen::Index x) {
       Eigen::Index p = 1;
       while (2 * p <= x) p *= 2;
