@@ -248,13 +248,15 @@ TEST(StorageConversion, VectorWideningMatchesTheScalarForms) {
 
 // The decoding kernel's row products over stored keys and values (the path under test) against a
 // double-precision reference on the widened values: every storage, head sizes around the vector widths, a
-// short last block of keys, grouped heads, several queries.
+// short last block of keys, grouped heads, one query per head (bfloat16 keys at d = 64 and 128: the
+// unrolled kernel, paired_chunk_scores) and several.
 TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
   const sdpa::Isa isa = sdpa::active_isa();
   Rng rng(13);
   for (Storage s : kNarrow)
+    for (Index nq : {Index(1), Index(2)})
     for (Index d : {Index(1), Index(8), Index(15), Index(16), Index(17), Index(32), Index(48), Index(64), Index(70), Index(128)}) {
-      const Index n = 37, kv = 2, heads = 4, nq = 2, row = kv * d;
+      const Index n = 37, kv = 2, heads = 4, row = kv * d;
       std::vector<float> x(static_cast<std::size_t>(n * row)), scales(static_cast<std::size_t>(n * kv), 1.0f), wide(x.size());
       for (float& v : x) v = static_cast<float>(rng.normal());
       std::vector<sdpa::BFloat16> b(x.size());
@@ -316,6 +318,33 @@ TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
         ASSERT_NEAR(acc[static_cast<std::size_t>(c)], want, 1e-6 * (1 + norm)) << sdpa::storage_name(s) << " d " << d << " feature " << c;
       }
     }
+}
+
+// bfloat16 keys at d = 64 and 128 with one query per head go through the unrolled kernel for whole blocks
+// of keys (paired_chunk_scores) and the general one for the rest: every key's score has the bits that the
+// general kernel gives it alone (a call of one key), on every path (the test runs once per path).
+TEST(StorageConversion, UnrolledBf16ScoresGiveTheGeneralKernelsBits) {
+  const sdpa::Isa isa = sdpa::active_isa();
+  Rng rng(17);
+  for (Index d : {Index(64), Index(128)}) {
+      const Index n = 45, kv = 2, heads = 6, row = kv * d;
+      std::vector<sdpa::BFloat16> k(static_cast<std::size_t>(n * row));
+      for (auto& x : k) x = sdpa::to_bfloat16(static_cast<float>(rng.normal()));
+      std::vector<float> q(static_cast<std::size_t>(heads * d));
+      for (float& v : q) v = static_cast<float>(rng.normal());
+      const Index lds = 48;
+      std::vector<float> all(static_cast<std::size_t>(heads * lds), 0.0f), one(all.size(), 0.0f);
+      sdpa::simd::chunk_scores_stored(isa, k.data(), row, d, n, nullptr, kv, q.data(), d, d, heads, heads / kv, 1, d, 0.125f,
+                                      all.data(), lds);
+      for (Index j = 0; j < n; ++j)
+        sdpa::simd::chunk_scores_stored(isa, k.data() + j * row, row, d, 1, nullptr, kv, q.data(), d, d, heads, heads / kv, 1,
+                                        d, 0.125f, one.data() + j, lds);
+      for (Index h = 0; h < heads; ++h)
+        for (Index j = 0; j < n; ++j) {
+          const std::size_t at = static_cast<std::size_t>(h * lds + j);
+          ASSERT_EQ(bits_of(all[at]), bits_of(one[at])) << sdpa::isa_name(isa) << " d " << d << " head " << h << " key " << j;
+        }
+  }
 }
 
 // ---- Key/value caches ----
