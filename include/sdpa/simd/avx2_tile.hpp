@@ -18,6 +18,8 @@
 
 using TileLoopArgs = gemm::detail::TileLoopArgs;  // the loop's arguments (sdpa/gemm/epilogue.hpp)
 
+#include "sdpa/simd/tile_loop_asm.inc"
+
 #define SDPA_DETAIL_TILE2_ROW(addr, bc, r, PS, SS)     \
   "vbroadcast" SS " " addr ", %%" bc "\n\t"             \
   "vfmadd231" PS " %%ymm12, %%" bc ", %[a" #r "0]\n\t" \
@@ -34,52 +36,13 @@ using TileLoopArgs = gemm::detail::TileLoopArgs;  // the loop's arguments (sdpa/
   SDPA_DETAIL_TILE2_ROW(d "(%%r9,%%r10,1)", "ymm14", 4, PS, SS)   \
   SDPA_DETAIL_TILE2_ROW(d "(%%r9,%%r10,2)", "ymm15", 5, PS, SS)
 #define SDPA_DETAIL_TILE2_ASM(PS, SS)                                                                     \
-  "mov 0(%[args]), %%r8\n\t"                                                                              \
-  "mov 8(%[args]), %%r9\n\t"                                                                              \
-  "mov 16(%[args]), %%r10\n\t"                                                                            \
-  "mov 24(%[args]), %%r11\n\t"                                                                            \
-  "mov 32(%[args]), %%r12\n\t"                                                                            \
-  "mov 40(%[args]), %%r13\n\t"                                                                            \
-  "mov 48(%[args]), %%rax\n\t"                                                                            \
-  "mov 56(%[args]), %%rcx\n\t"                                                                            \
-  "mov 64(%[args]), %%rdx\n\t"                                                                            \
-  "mov 72(%[args]), %%rsi\n\t"                                                                            \
-  "mov 80(%[args]), %%rdi\n\t"                                                                            \
+  SDPA_DETAIL_TILE_LOAD_ARGS                                                                              \
   "vxor" PS " %[a00], %[a00], %[a00]\n\t"                                                                 \
   "vmova" PS " %[a00], %[a01]\n\t vmova" PS " %[a00], %[a10]\n\t vmova" PS " %[a00], %[a11]\n\t"          \
   "vmova" PS " %[a00], %[a20]\n\t vmova" PS " %[a00], %[a21]\n\t vmova" PS " %[a00], %[a30]\n\t"          \
   "vmova" PS " %[a00], %[a31]\n\t vmova" PS " %[a00], %[a40]\n\t vmova" PS " %[a00], %[a41]\n\t"          \
   "vmova" PS " %[a00], %[a50]\n\t vmova" PS " %[a00], %[a51]\n\t"                                         \
-  "test %%r12, %%r12\n\t"                                                                                 \
-  "jz 2f\n\t"                                                                                             \
-  ".p2align 5\n"                                                                                          \
-  "1:\n\t" SDPA_DETAIL_TILE2_STEP(0, "", PS, SS) SDPA_DETAIL_TILE2_STEP(1, "%c[d1]", PS, SS)              \
-      SDPA_DETAIL_TILE2_STEP(2, "%c[d2]", PS, SS) SDPA_DETAIL_TILE2_STEP(3, "%c[d3]", PS, SS)             \
-  "test %%rdi, %%rdi\n\t"                                                                                 \
-  "jz 5f\n\t"                                                                                             \
-  "prefetcht1 (%%rax)\n\t"                                                                                \
-  "add $64, %%rax\n\t"                                                                                    \
-  "dec %%rcx\n\t"                                                                                         \
-  "jnz 5f\n\t"                                                                                            \
-  "add %%rsi, %%rax\n\t"                                                                                  \
-  "mov %%rdx, %%rcx\n\t"                                                                                  \
-  "dec %%rdi\n"                                                                                           \
-  "5:\n\t"                                                                                                \
-  "add %[d4], %%r8\n\t"                                                                                   \
-  "add %[d4], %%r9\n\t"                                                                                   \
-  "add $256, %%r11\n\t"                                                                                   \
-  "dec %%r12\n\t"                                                                                         \
-  "jnz 1b\n"                                                                                              \
-  "2:\n\t"                                                                                                \
-  "test %%r13, %%r13\n\t"                                                                                 \
-  "jz 4f\n"                                                                                               \
-  "3:\n\t" SDPA_DETAIL_TILE2_STEP(0, "", PS, SS)                                                          \
-  "add %[d1], %%r8\n\t"                                                                                   \
-  "add %[d1], %%r9\n\t"                                                                                   \
-  "add $64, %%r11\n\t"                                                                                    \
-  "dec %%r13\n\t"                                                                                         \
-  "jnz 3b\n"                                                                                              \
-  "4:\n\t"
+  SDPA_DETAIL_TILE_LOOPS(SDPA_DETAIL_TILE2_STEP, PS, SS, "256", "64")
 
 #define SDPA_DETAIL_TILE2_OUT(r) [a##r##0] "=x"(acc[r][0]), [a##r##1] "=x"(acc[r][1])
 // Operands shared by the float and the double loop: 12 outputs, 5 inputs.
@@ -104,6 +67,8 @@ SDPA_ALWAYS_INLINE void gemm_tile_k_loop(const TileLoopArgs& args, Reg (&acc)[6]
 }
 
 #undef SDPA_DETAIL_TILE2_OPERANDS
+#undef SDPA_DETAIL_TILE_LOOPS
+#undef SDPA_DETAIL_TILE_LOAD_ARGS
 #undef SDPA_DETAIL_TILE2_OUT
 #undef SDPA_DETAIL_TILE2_ASM
 #undef SDPA_DETAIL_TILE2_STEP
