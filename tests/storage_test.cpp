@@ -16,6 +16,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -248,8 +249,8 @@ TEST(StorageConversion, VectorWideningMatchesTheScalarForms) {
 
 // The decoding kernel's row products over stored keys and values (the path under test) against a
 // double-precision reference on the widened values: every storage, head sizes around the vector widths, a
-// short last block of keys, grouped heads, one query per head (bfloat16 keys at d = 64 and 128: the
-// unrolled kernel, paired_chunk_scores) and several.
+// short last block of keys, grouped heads, one query per head (at d = 64 and 128: the unrolled kernel,
+// unrolled_chunk_scores) and several.
 TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
   const sdpa::Isa isa = sdpa::active_isa();
   Rng rng(13);
@@ -320,31 +321,50 @@ TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
     }
 }
 
-// bfloat16 keys at d = 64 and 128 with one query per head go through the unrolled kernel for whole blocks
-// of keys (paired_chunk_scores) and the general one for the rest: every key's score has the bits that the
-// general kernel gives it alone (a call of one key), on every path (the test runs once per path).
-TEST(StorageConversion, UnrolledBf16ScoresGiveTheGeneralKernelsBits) {
+// Stored keys at d = 64 and 128 with one query per head go through the unrolled kernel for whole blocks of
+// keys (unrolled_chunk_scores) and the general one for the rest: every key's score has the bits that the
+// general kernel gives it alone (a call of one key), for every storage on every path (the test runs once
+// per path).
+TEST(StorageConversion, UnrolledScoresGiveTheGeneralKernelsBits) {
   const sdpa::Isa isa = sdpa::active_isa();
   Rng rng(17);
-  for (Index d : {Index(64), Index(128)}) {
+  for (Storage s : kNarrow)
+    for (Index d : {Index(64), Index(128)}) {
       const Index n = 45, kv = 2, heads = 6, row = kv * d;
-      std::vector<sdpa::BFloat16> k(static_cast<std::size_t>(n * row));
-      for (auto& x : k) x = sdpa::to_bfloat16(static_cast<float>(rng.normal()));
+      std::vector<float> x(static_cast<std::size_t>(n * row)), scales(static_cast<std::size_t>(n * kv));
+      for (float& v : x) v = static_cast<float>(rng.normal());
+      for (float& v : scales) v = static_cast<float>(rng.uniform(0.001, 0.1));
+      std::vector<sdpa::BFloat16> b(x.size());
+      std::vector<sdpa::Float16> h(x.size());
+      std::vector<std::int8_t> q8(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        b[i] = sdpa::to_bfloat16(x[i]);
+        h[i] = sdpa::to_float16(x[i]);
+        q8[i] = static_cast<std::int8_t>(std::lround(std::max(-127.0f, std::min(127.0f, 40 * x[i]))));
+      }
       std::vector<float> q(static_cast<std::size_t>(heads * d));
       for (float& v : q) v = static_cast<float>(rng.normal());
       const Index lds = 48;
       std::vector<float> all(static_cast<std::size_t>(heads * lds), 0.0f), one(all.size(), 0.0f);
-      sdpa::simd::chunk_scores_stored(isa, k.data(), row, d, n, nullptr, kv, q.data(), d, d, heads, heads / kv, 1, d, 0.125f,
-                                      all.data(), lds);
-      for (Index j = 0; j < n; ++j)
-        sdpa::simd::chunk_scores_stored(isa, k.data() + j * row, row, d, 1, nullptr, kv, q.data(), d, d, heads, heads / kv, 1,
-                                        d, 0.125f, one.data() + j, lds);
-      for (Index h = 0; h < heads; ++h)
+      const float* sc = s == Storage::kInt8 ? scales.data() : nullptr;
+      const auto check = [&](const auto* k) {
+        sdpa::simd::chunk_scores_stored(isa, k, row, d, n, sc, kv, q.data(), d, d, heads, heads / kv, 1, d, 0.125f, all.data(),
+                                        lds);
+        for (Index j = 0; j < n; ++j)
+          sdpa::simd::chunk_scores_stored(isa, k + j * row, row, d, 1, sc == nullptr ? nullptr : sc + j * kv, kv, q.data(), d,
+                                          d, heads, heads / kv, 1, d, 0.125f, one.data() + j, lds);
+      };
+      if (s == Storage::kBFloat16) check(b.data());
+      else if (s == Storage::kFloat16) check(h.data());
+      else check(q8.data());
+      for (Index hh = 0; hh < heads; ++hh)
         for (Index j = 0; j < n; ++j) {
-          const std::size_t at = static_cast<std::size_t>(h * lds + j);
-          ASSERT_EQ(bits_of(all[at]), bits_of(one[at])) << sdpa::isa_name(isa) << " d " << d << " head " << h << " key " << j;
+          const std::size_t at = static_cast<std::size_t>(hh * lds + j);
+          ASSERT_NE(all[at], 0.0f);
+          ASSERT_EQ(bits_of(all[at]), bits_of(one[at]))
+              << sdpa::storage_name(s) << " " << sdpa::isa_name(isa) << " d " << d << " head " << hh << " key " << j;
         }
-  }
+    }
 }
 
 // ---- Key/value caches ----
