@@ -247,6 +247,50 @@ TEST(StorageConversion, VectorWideningMatchesTheScalarForms) {
   }
 }
 
+// dot_rows (the few-row projections: one weight row against several input rows) gives each row the bits of
+// dot, or of dot_stored for bfloat16 / float16 weights, on every path: row counts odd and even, lengths
+// around the vector widths; and those are within rounding of a double-precision sum.
+TEST(StorageConversion, DotRowsGiveEachRowTheBitsOfOneDot) {
+  const sdpa::Isa isa = sdpa::active_isa();
+  Rng rng(19);
+  for (Index n : {Index(1), Index(7), Index(8), Index(16), Index(31), Index(64), Index(70), Index(512)})
+    for (Index rows : {Index(1), Index(2), Index(3), Index(8)}) {
+      const Index ldb = n + 3;
+      std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(rows * ldb)), out(16, 0.0f);
+      for (float& v : a) v = static_cast<float>(rng.normal());
+      for (float& v : b) v = static_cast<float>(rng.normal());
+      std::vector<double> ad(a.begin(), a.end()), bd(b.begin(), b.end()), outd(16, 0.0);
+      std::vector<sdpa::BFloat16> ab(a.size());
+      std::vector<sdpa::Float16> ah(a.size());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        ab[i] = sdpa::to_bfloat16(a[i]);
+        ah[i] = sdpa::to_float16(a[i]);
+      }
+      const auto check = [&](const char* what, const auto* w, auto one) {
+        sdpa::simd::dot_rows(isa, w, b.data(), ldb, rows, n, out.data());
+        for (Index r = 0; r < rows; ++r) {
+          const float want = one(b.data() + r * ldb);
+          ASSERT_EQ(bits_of(out[static_cast<std::size_t>(r)]), bits_of(want)) << what << " n " << n << " row " << r << " of " << rows;
+          double exact = 0, norm = 0;
+          for (Index c = 0; c < n; ++c) {
+            const double p = static_cast<double>(a[static_cast<std::size_t>(c)]) * b[static_cast<std::size_t>(r * ldb + c)];
+            exact += p;
+            norm += std::fabs(p);
+          }
+          // bfloat16 / float16 weights: the rounding of a (2^-8 / 2^-11) on top of the sum's.
+          ASSERT_NEAR(out[static_cast<std::size_t>(r)], exact, 5e-3 * norm + 1e-6) << what << " n " << n << " row " << r;
+        }
+      };
+      check("float", a.data(), [&](const float* x) { return sdpa::simd::dot(isa, a.data(), x, n); });
+      check("bfloat16", ab.data(), [&](const float* x) { return sdpa::simd::dot_stored(isa, ab.data(), x, n); });
+      check("float16", ah.data(), [&](const float* x) { return sdpa::simd::dot_stored(isa, ah.data(), x, n); });
+      sdpa::simd::dot_rows(isa, ad.data(), bd.data(), ldb, rows, n, outd.data());
+      for (Index r = 0; r < rows; ++r)
+        ASSERT_EQ(outd[static_cast<std::size_t>(r)], sdpa::simd::dot(isa, ad.data(), bd.data() + r * ldb, n))
+            << "double n " << n << " row " << r;
+    }
+}
+
 // The decoding kernel's row products over stored keys and values (the path under test) against a
 // double-precision reference on the widened values: every storage, head sizes around the vector widths, a
 // short last block of keys, grouped heads, one query per head (at d = 64 and 128: the unrolled kernel,

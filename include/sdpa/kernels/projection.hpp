@@ -177,14 +177,16 @@ void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std
 }
 
 // The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
-// matrix product's packing or a matrix-vector product per row would read the weights again; threads split
-// the output features. Narrow weights are read as they are stored (simd::dot_stored), in the same order of
-// operations as float ones. Allocates nothing.
+// matrix product's packing or a matrix-vector product per row would read the weights again, and its
+// vectors are loaded once for two rows (simd::dot_rows: each output the bits of one dot); threads split the
+// output features. Narrow weights are read as they are stored (widened as dot_stored does), in the same
+// order of operations as float ones. Allocates nothing.
 template <typename Scalar>
 void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx,
                       const ProjectionTarget<Scalar>* targets, std::size_t count, const Eigen::ThreadPoolDevice* device,
                       Isa isa = active_isa()) {
   using Index = Eigen::Index;
+  constexpr Index kRowBlock = 16;  // rows whose dots with one weight row are taken together
   Index total = 0;
   for (std::size_t t = 0; t < count; ++t) total += targets[t].out;
   parallel_for(device, total, std::max<Index>(64, balanced_grain(device, total, 2)), [&](Index o0, Index o1) {
@@ -194,19 +196,28 @@ void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen
       const Index lo = std::max(o0, base), hi = std::min(o1, base + tg.out);
       for (Index o = lo; o < hi; ++o) {
         const Index row = (o - base) * in;
-        for (Index r = 0; r < rows; ++r) {
-          Scalar d;
-          if constexpr (std::is_same<Scalar, float>::value) {
-            if (tg.weight_storage == Storage::kBFloat16)
-              d = simd::dot_stored(isa, static_cast<const BFloat16*>(tg.weight_stored) + row, x + r * ldx, in);
-            else if (tg.weight_storage == Storage::kFloat16)
-              d = simd::dot_stored(isa, static_cast<const Float16*>(tg.weight_stored) + row, x + r * ldx, in);
-            else
-              d = simd::dot(isa, tg.weight + row, x + r * ldx, in);
-          } else {
-            d = simd::dot(isa, tg.weight + row, x + r * ldx, in);
+        // Output o for every row, w its weight row as stored.
+        const auto products = [&](const auto* w) {
+          if (rows == 1) {  // a single sequence's step: one dot
+            Scalar d;
+            if constexpr (std::is_same<std::decay_t<decltype(*w)>, Scalar>::value) d = simd::dot(isa, w, x, in);
+            else d = simd::dot_stored(isa, w, x, in);
+            tg.row(0)[o - base] = d + tg.bias[o - base];
+            return;
           }
-          tg.row(r)[o - base] = d + tg.bias[o - base];
+          for (Index r0 = 0; r0 < rows; r0 += kRowBlock) {
+            const Index m = std::min(kRowBlock, rows - r0);
+            Scalar d[kRowBlock];
+            simd::dot_rows(isa, w, x + r0 * ldx, ldx, m, in, d);
+            for (Index r = 0; r < m; ++r) tg.row(r0 + r)[o - base] = d[r] + tg.bias[o - base];
+          }
+        };
+        if constexpr (std::is_same<Scalar, float>::value) {
+          if (tg.weight_storage == Storage::kBFloat16) products(static_cast<const BFloat16*>(tg.weight_stored) + row);
+          else if (tg.weight_storage == Storage::kFloat16) products(static_cast<const Float16*>(tg.weight_stored) + row);
+          else products(tg.weight + row);
+        } else {
+          products(tg.weight + row);
         }
       }
       base += tg.out;

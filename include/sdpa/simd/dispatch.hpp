@@ -145,6 +145,18 @@ float dot_stored(Isa isa, const T* a, const float* b, Eigen::Index n) noexcept {
   return portable::dot_stored(a, b, n);
 }
 
+// out[r] = a . b[r * ldb, +n) for r < rows: dot (T = Scalar) or dot_stored (T bfloat16 / float16, Scalar
+// float) of each row, with their bits (generic_rows.inc's dot_rows).
+template <typename T, typename Scalar>
+void dot_rows(Isa isa, const T* a, const Scalar* b, Eigen::Index ldb, Eigen::Index rows, Eigen::Index n, Scalar* out) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::dot_rows(a, b, ldb, rows, n, out);
+  if (isa == Isa::kAvx2) return avx2::dot_rows(a, b, ldb, rows, n, out);
+#endif
+  (void)isa;
+  portable::dot_rows(a, b, ldb, rows, n, out);
+}
+
 // chunk_scores and add_weighted_rows over keys / values stored as T (BFloat16, Float16, std::int8_t with
 // one scale per (row, head)): generic_rows.inc's chunk_scores_stored and add_weighted_rows_stored.
 template <typename T>

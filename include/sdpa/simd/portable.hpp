@@ -150,6 +150,15 @@ float dot_stored(const T* a, const float* b, Eigen::Index n) noexcept {
   return s;
 }
 
+// dot or dot_stored of a against each of rows rows of b (ldb apart).
+template <typename T, typename Scalar>
+void dot_rows(const T* a, const Scalar* b, Eigen::Index ldb, Eigen::Index rows, Eigen::Index n, Scalar* out) noexcept {
+  for (Eigen::Index r = 0; r < rows; ++r) {
+    if constexpr (std::is_same<T, Scalar>::value) out[r] = dot(a, b + r * ldb, n);
+    else out[r] = dot_stored(a, b + r * ldb, n);
+  }
+}
+
 // The stored forms of chunk_scores and add_weighted_rows: the rows widened into the calling thread's
 // scratch (grown once), then the float forms, so that the bits are those of the widened rows.
 inline std::vector<float>& widen_scratch(std::size_t n) {
