@@ -197,7 +197,7 @@ void project_few_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen
       for (Index o = lo; o < hi; ++o) {
         const Index row = (o - base) * in;
         // Output o for every row, w its weight row as stored.
-        const auto products = [&](const auto* w) {
+        const auto products = [&](const auto* w) SDPA_ALWAYS_INLINE_LAMBDA {
           if (rows == 1) {  // a single sequence's step: one dot
             Scalar d;
             if constexpr (std::is_same<std::decay_t<decltype(*w)>, Scalar>::value) d = simd::dot(isa, w, x, in);
