@@ -6,6 +6,11 @@
 //                                                 int8) and the weights as w (f32, bf16): sdpa/storage.hpp
 //   decode/read/storage/kv:<s>/weights:<w>/cache:<n>/batch:<b>/bytes:<B>/threads:1
 //                                                 the read bound of that step: a sum over its B bytes
+//   decode/limit/widen_fma/kv:<s>/cache:<n>/threads:1
+//                                                 the arithmetic of that step's attention over its n cached
+//                                                 keys and values (2 x n x 512 entries) at the streaming
+//                                                 widen + FMA rate, entries in L1 (widen_floor.hpp): a lower
+//                                                 bound on its compute time (AVX2 + FMA machines)
 //   decode/recompute/N:<n>/threads:1              forward(x, x, x, {causal}) over all n + 1 tokens: what a
 //                                                 step replaces
 //   decode/read/bytes:<B>/threads:<t>             a STREAM-like sum over B bytes, B = what the batch-1 step
@@ -33,6 +38,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "widen_floor.hpp"
 
 #ifdef SDPA_BENCH_WITH_TORCH
 #include "torch_peer.hpp"
@@ -100,6 +106,16 @@ void step_case(benchmark::State& state, Index n, Index batch, int threads, sdpa:
   state.counters["bytes"] = bytes;
   state.counters["GBps"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["nthreads"] = threads;
+}
+
+void widen_fma_case(benchmark::State& state, sdpa::Storage storage, Index n) {
+  const std::vector<std::uint8_t> buffer = widen_floor_buffer();
+  const long long entries = 2LL * n * 512 / 64 * 64;  // keys and values, whole groups of 8 vectors
+  for (auto _ : state) {
+    float sum = widen_fma_avx2(storage, buffer.data(), buffer.size(), entries);
+    benchmark::DoNotOptimize(sum);
+  }
+  state.counters["entries"] = static_cast<double>(entries);
 }
 
 void recompute_case(benchmark::State& state, Index n) {
@@ -283,6 +299,16 @@ int main(int argc, char** argv) {
       const double bytes = Decoding::step_bytes(c.n, c.batch, c.kv, c.w);
       add("decode/read/storage/" + tag + "/bytes:" + std::to_string(static_cast<long long>(bytes)) + "/threads:1",
           [bytes](benchmark::State& s) { read_case(s, bytes, 1); });
+    }
+    const sdpa::CpuFeatures& cpu = sdpa::cpu_features();
+    if (cpu.avx2 && cpu.fma && cpu.f16c) {
+      const std::pair<const char*, Storage> kinds[] = {
+          {"f32", Storage::kFloat32}, {"bf16", Storage::kBFloat16}, {"f16", Storage::kFloat16}, {"int8", Storage::kInt8}};
+      for (const auto& kind : kinds) {
+        const Storage st = kind.second;
+        add(std::string("decode/limit/widen_fma/kv:") + kind.first + "/cache:4095/threads:1",
+            [st](benchmark::State& s) { widen_fma_case(s, st, 4095); });
+      }
     }
   }
 #ifdef SDPA_BENCH_WITH_TORCH

@@ -5,7 +5,9 @@ section of bench/RESULTS.md (between its markers; the rest of the file is kept):
   1. bench/decode_bench's decode/storage cases (d_model 512, h 8, d_k 64, 1 thread): a decoding step at 4095
      cached tokens with the cache stored as float32, bfloat16, float16, int8, and bfloat16 weights with a
      bfloat16 cache; batch 8 x 2048 cached tokens; each beside the read bound of its own bytes
-     (decode/read/storage: a sum over as many bytes). Rounds alternate all cases; min / median over rounds.
+     (decode/read/storage: a sum over as many bytes), and on AVX2 machines the step's arithmetic over its
+     cached keys and values at the streaming widen + FMA rate (decode/limit/widen_fma, bench/widen_floor.hpp).
+     Rounds alternate all cases; min / median over rounds.
   2. decode_bench --storage_error: the relative max-norm error of a 256-token decode with each narrow cache
      against the float cache, on the benchmark's module and on peaked attention, and the cache's bytes.
   3. examples/decode: the greedy generation's tokens that agree with the float cache's, over 256 tokens.
@@ -46,7 +48,7 @@ def main():
     times, context = {}, {}
     for r in range(args.rounds):
         out = os.path.join(build, f"storage_round{r}.json")
-        run([exe, "--benchmark_filter=decode/(storage|read/storage)/", "--benchmark_repetitions=1",
+        run([exe, "--benchmark_filter=decode/(storage|read/storage|limit/widen_fma)/", "--benchmark_repetitions=1",
              "--benchmark_min_time=0.5", f"--benchmark_out={out}", "--benchmark_out_format=json"],
             stdout=subprocess.DEVNULL)
         runs, context = load(out)
@@ -95,6 +97,28 @@ def main():
         vs = f"{paired(s, step('f32', 'f32', n, b)):.2f}x"
         L.append(f"| {kv} | {w} | {n} | {b} | {lo[s]:.3f} / {med[s]:.3f} | "
                  f"{(f'{lo[rb]:.3f} / {med[rb]:.3f}' if rb else '-')} | {ratio} | {vs} |")
+    # The compute side of the 4095-token steps: their attention's arithmetic at the streaming widen + FMA rate
+    # (entries in L1), plus the weights' share of the read bound (their bytes over the step's): what a step
+    # takes if every loop ran at the machine's streaming rate and nothing else cost anything.
+    limits = [(kv, w) for kv, w, n, b in cases if n == 4095 and f"decode/limit/widen_fma/kv:{kv}/cache:4095/threads:1" in med]
+    if limits:
+        L += ["", "The arithmetic side (AVX2 machines): each 4095-token step's attention over its cached keys and values "
+              "(2 x 4095 x 512 entries) at the streaming rate of the loop its kernels run (load, widen, one FMA into "
+              "one of 8 accumulators; entries in L1: `decode/limit/widen_fma`, bench/widen_floor.hpp), plus the "
+              "weights' share of the read bound (their bytes over the step's). Medians in ms; ratios over the read "
+              "bound as above.", "",
+              "| cache | weights | attention at the widen + FMA rate | + the weights' read | / read bound | the step / that floor |",
+              "|---|---|---|---|---|---|"]
+        for kv, w in limits:
+            lim, s, rb = f"decode/limit/widen_fma/kv:{kv}/cache:4095/threads:1", step(kv, w), bound(kv, w)
+            if not rb or s not in med:
+                continue
+            total = float(rb.split("bytes:")[1].split("/")[0])
+            weight_bytes = 4.0 * 512 * 512 * (2 if w == "bf16" else 4)
+            floor = [a + r * weight_bytes / total for a, r in zip(times[lim], times[rb])]
+            L.append(f"| {kv} | {w} | {med[lim]:.3f} | {statistics.median(floor):.3f} | "
+                     f"{statistics.median(f / r for f, r in zip(floor, times[rb])):.2f}x | "
+                     f"{statistics.median(x / f for x, f in zip(times[s], floor)):.2f}x |")
     L += ["", "Accuracy (`decode_bench --storage_error`: 64-token prompt, then 256 steps; relative max-norm error of the "
           "outputs against the float cache; the queries' weights scaled by 8 and 32 make the attention peaked) and bytes:",
           "", "| cache | queries x1 | x8 | x32 | bytes / float cache's |", "|---|---|---|---|---|"]
