@@ -110,7 +110,8 @@ void step_case(benchmark::State& state, Index n, Index batch, int threads, sdpa:
 
 void widen_fma_case(benchmark::State& state, sdpa::Storage storage, Index n) {
   const std::vector<std::uint8_t> buffer = widen_floor_buffer();
-  const long long entries = 2LL * n * 512 / 64 * 64;  // keys and values, whole groups of 8 vectors
+  // Keys and values, in whole groups of every storage's loop (bfloat16's, 128 entries, is the largest).
+  const long long entries = 2LL * n * 512 / 128 * 128;
   for (auto _ : state) {
     float sum = widen_fma_avx2(storage, buffer.data(), buffer.size(), entries);
     benchmark::DoNotOptimize(sum);

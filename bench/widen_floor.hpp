@@ -10,7 +10,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include <sdpa/storage.hpp>
@@ -70,8 +69,9 @@ __attribute__((target("avx2,fma"))) inline float widen_fma_avx2(sdpa::Storage st
   return total;
 }
 
-// A 16 KiB buffer of small finite entries of every storage (the same bytes serve all four: bfloat16 and
-// float16 halves of 0x3C00 / 0x3F80 are finite, int8 bytes are any value, floats of those words are finite).
+// A 16 KiB buffer of small finite entries of every storage (the same bytes serve all four: every 16-bit half
+// is 0x3C00-0x3C06, finite as bfloat16 and as float16, and so is every float of two such halves; int8 takes
+// any byte).
 inline std::vector<std::uint8_t> widen_floor_buffer() {
   std::vector<std::uint8_t> b(16 * 1024);
   for (std::size_t i = 0; i < b.size(); i += 2) {
