@@ -291,16 +291,32 @@ TEST(StorageConversion, DotRowsGiveEachRowTheBitsOfOneDot) {
     }
 }
 
+// A query as a path with integer products of int8 keys uses it (simd::int8_integer_products): each value
+// times 32767 / max |q| rounded to nearest (ties to even), times max |q| / 32767 again; written here from
+// that definition, in double.
+std::vector<double> int16_rounded(const float* q, Index d) {
+  double a = 0;
+  for (Index c = 0; c < d; ++c) a = std::max(a, std::fabs(static_cast<double>(q[c])));
+  std::vector<double> r(static_cast<std::size_t>(d), 0.0);
+  if (a == 0) return r;
+  for (Index c = 0; c < d; ++c) r[static_cast<std::size_t>(c)] = std::nearbyint(static_cast<double>(q[c]) * (32767.0 / a)) * (a / 32767.0);
+  return r;
+}
+
 // The decoding kernel's row products over stored keys and values (the path under test) against a
 // double-precision reference on the widened values: every storage, head sizes around the vector widths, a
 // short last block of keys, grouped heads, one query per head (at d = 64 and 128: the unrolled kernel,
-// unrolled_chunk_scores) and several.
+// unrolled_chunk_scores) and several. int8 keys on a path with integer products: the reference takes the
+// query rounded to int16 (int16_rounded), and the scores also lie within that rounding's bound (half a
+// step of the query times the key's magnitudes) of the unrounded reference; past the longest such query
+// (d = 513) the widened float products as for the other storages.
 TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
   const sdpa::Isa isa = sdpa::active_isa();
   Rng rng(13);
   for (Storage s : kNarrow)
     for (Index nq : {Index(1), Index(2)})
-    for (Index d : {Index(1), Index(8), Index(15), Index(16), Index(17), Index(32), Index(48), Index(64), Index(70), Index(128)}) {
+    for (Index d : {Index(1), Index(8), Index(15), Index(16), Index(17), Index(32), Index(48), Index(64), Index(70), Index(128), Index(512), Index(513)}) {
+      const bool integer = s == Storage::kInt8 && sdpa::simd::int8_integer_products(isa) && d <= sdpa::kInt16QueryMaxLength;
       const Index n = 37, kv = 2, heads = 4, row = kv * d;
       std::vector<float> x(static_cast<std::size_t>(n * row)), scales(static_cast<std::size_t>(n * kv), 1.0f), wide(x.size());
       for (float& v : x) v = static_cast<float>(rng.normal());
@@ -330,18 +346,30 @@ TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
       else if (s == Storage::kFloat16) scores(h.data());
       else scores(q8.data());
       for (Index hh = 0; hh < heads; ++hh)
-        for (Index i = 0; i < nq; ++i)
+        for (Index i = 0; i < nq; ++i) {
+          const float* qi = q.data() + (hh * nq + i) * d;
+          const std::vector<double> qr = int16_rounded(qi, d);
+          double step = 0;  // the rounding's step, max |q| / 32767
+          for (Index c = 0; c < d; ++c) step = std::max(step, std::fabs(static_cast<double>(qi[c])) / 32767.0);
           for (Index j = 0; j < n; ++j) {
-            double want = 0, norm = 0;
+            double want = 0, unrounded = 0, norm = 0, keys = 0;
             for (Index c = 0; c < d; ++c) {
-              const double p = static_cast<double>(q[static_cast<std::size_t>((hh * nq + i) * d + c)]) *
-                               wide[static_cast<std::size_t>(j * row + (hh / (heads / kv)) * d + c)];
+              const double k = wide[static_cast<std::size_t>(j * row + (hh / (heads / kv)) * d + c)];
+              const double p = (integer ? qr[static_cast<std::size_t>(c)] : static_cast<double>(qi[c])) * k;
               want += p;
+              unrounded += static_cast<double>(qi[c]) * k;
               norm += std::fabs(p);
+              keys += std::fabs(k);
             }
-            ASSERT_NEAR(out[static_cast<std::size_t>((hh * nq + i) * 40 + j)], 0.5 * want, 1e-6 * (1 + norm))
+            const float got = out[static_cast<std::size_t>((hh * nq + i) * 40 + j)];
+            ASSERT_NEAR(got, 0.5 * want, 1e-6 * (1 + norm))
                 << sdpa::storage_name(s) << " d " << d << " head " << hh << " query " << i << " key " << j;
+            if (integer) {
+              ASSERT_NEAR(got, 0.5 * unrounded, 0.5 * (step / 2) * keys + 1e-6 * (1 + norm))
+                  << "the query's rounding, d " << d << " head " << hh << " query " << i << " key " << j;
+            }
           }
+        }
       // acc += sum_j w_j * value row j of head 1, then the natural order back.
       std::vector<float> w(static_cast<std::size_t>(n)), acc(static_cast<std::size_t>(d), 0.25f);
       for (float& v : w) v = static_cast<float>(rng.uniform(0, 1));
@@ -361,6 +389,50 @@ TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
           norm += std::fabs(p);
         }
         ASSERT_NEAR(acc[static_cast<std::size_t>(c)], want, 1e-6 * (1 + norm)) << sdpa::storage_name(s) << " d " << d << " feature " << c;
+      }
+    }
+}
+
+// int8 keys against queries that are not finite (a path with integer products takes the widened float
+// products for them): a NaN or an infinity reaches the scores as in a float cache of the widened keys (NaN
+// where an infinity meets a zero key entry or one of the other sign, the infinity's sign otherwise), and the
+// finite queries of the same call keep their scores.
+TEST(StorageConversion, Int8ScoresOfQueriesThatAreNotFinite) {
+  const sdpa::Isa isa = sdpa::active_isa();
+  Rng rng(14);
+  const Index n = 21, heads = 4, d = 64;
+  std::vector<std::int8_t> k(static_cast<std::size_t>(n * heads * d));
+  std::vector<float> scales(static_cast<std::size_t>(n * heads));
+  for (auto& v : k) v = static_cast<std::int8_t>(std::lround(rng.uniform(-127, 127)));
+  for (Index j = 0; j < n; j += 3)
+    for (Index h = 0; h < heads; ++h) k[static_cast<std::size_t>((j * heads + h) * d + 3)] = 0;
+  for (auto& v : scales) v = static_cast<float>(rng.uniform(0.001, 0.01));
+  std::vector<float> q(static_cast<std::size_t>(heads * d)), out(static_cast<std::size_t>(heads * n), 0.0f);
+  for (float& v : q) v = static_cast<float>(rng.normal());
+  const float inf = std::numeric_limits<float>::infinity();
+  q[static_cast<std::size_t>(1 * d + 3)] = inf;
+  q[static_cast<std::size_t>(2 * d + 10)] = std::numeric_limits<float>::quiet_NaN();
+  q[static_cast<std::size_t>(3 * d + 0)] = -inf;
+  q[static_cast<std::size_t>(3 * d + 1)] = inf;
+  sdpa::simd::chunk_scores_stored(isa, k.data(), heads * d, d, n, scales.data(), heads, q.data(), d, d, heads, Index{1},
+                                  Index{1}, d, 0.5f, out.data(), n);
+  for (Index h = 0; h < heads; ++h)
+    for (Index j = 0; j < n; ++j) {
+      double want = 0, norm = 0;
+      const double ks = scales[static_cast<std::size_t>(j * heads + h)];
+      for (Index c = 0; c < d; ++c) {
+        const double p = static_cast<double>(q[static_cast<std::size_t>(h * d + c)]) * k[static_cast<std::size_t>((j * heads + h) * d + c)] * ks;
+        want += p;
+        norm += std::fabs(p);
+      }
+      const float got = out[static_cast<std::size_t>(h * n + j)];
+      if (h == 0) {
+        EXPECT_NEAR(got, 0.5 * want, 1e-4 * (1 + norm)) << "key " << j;  // (the int16 rounding's bound and more)
+      } else {
+        EXPECT_EQ(std::isnan(got), std::isnan(want)) << "head " << h << " key " << j << ": " << got << " against " << want;
+        if (!std::isnan(want)) {
+          EXPECT_EQ(got, 0.5 * want) << "head " << h << " key " << j;
+        }
       }
     }
 }
@@ -457,9 +529,12 @@ TEST_P(NarrowCache, EntriesAreRoundedAndKernelsReadThem) {
     o.causal = nq > 1;
     // The tiled kernel (40 queries) widens a key block and packs it: the same bits. The decoding kernel
     // widens in registers: float16 the same bits; bfloat16 sums the features as even and odd ones, and int8
-    // applies a key's scale after its sum (a value's to its weight), so they round differently.
+    // applies a key's scale after its sum (a value's to its weight), so they round differently; where the
+    // path sums int8 keys' products in integers, against the query rounded to int16 (a relative step of
+    // 2^-15 of its largest entry), the outputs move by up to about that much.
     const bool exact = nq > 16 || s == Storage::kFloat16 || sdpa::active_isa() == sdpa::Isa::kPortable;
-    const double tol = exact ? 0.0 : 2e-6;
+    const bool integer = s == Storage::kInt8 && sdpa::simd::int8_integer_products(sdpa::active_isa());
+    const double tol = exact ? 0.0 : integer ? 1e-4 : 2e-6;
     const Tensor3 a = m.attend(q, n, o), b = m.attend(q, w, o);
     EXPECT_LE(max_rel(a, b), tol) << sdpa::storage_name(s) << ", " << nq << " queries";
     // Probabilities come from the same widened keys.
@@ -606,7 +681,9 @@ TEST(NarrowCacheRefusals, NameTheStorageAndTheKernel) {
   m.set_kernel(sdpa::Kernel::kTiled);  // the tiled kernel reads a narrow cache also for one query
   const Tensor3 tiled = m.attend(x, n);
   m.set_kernel(sdpa::Kernel::kAuto);
-  EXPECT_LE(max_rel(tiled, m.attend(x, n)), 1e-5);
+  // (The decoding kernel: int8 keys' products in integers against the query rounded to int16 where the
+  // path has them.)
+  EXPECT_LE(max_rel(tiled, m.attend(x, n)), sdpa::simd::int8_integer_products(sdpa::active_isa()) ? 1e-4 : 1e-5);
 }
 
 // ---- Module weights ----

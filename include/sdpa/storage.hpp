@@ -185,6 +185,12 @@ inline float quantize_int8(const float* x, std::ptrdiff_t n, std::int8_t* q) noe
   return scale;
 }
 
+// Queries against int8 keys, where a path sums their products in integers (simd/generic_rows.inc's
+// int8_chunk_scores, against the query rounded to int16: q = x * (32767 / max |x|) rounded to nearest): the
+// longest query so rounded. n int16 values of magnitude at most 32767 against int8 keys (magnitude at most
+// 128, a loaded cache's -128 included) sum to less than 2^31 up to n = 512, so the int32 sums are exact.
+constexpr std::ptrdiff_t kInt16QueryMaxLength = 512;
+
 namespace detail {
 // n rows of heads * d Scalar values (row stride ld) into rows of `storage` at dst (heads * d elements each,
 // contiguous), rounded (bfloat16, float16) or quantised per head (int8: one scale per row and head at

@@ -90,6 +90,73 @@ struct Vec<float> {
   static Reg widen(const std::int8_t* p) noexcept {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  // Integer products of int8 keys with int16 queries (generic_rows.inc's int8_chunk_scores): lane l of
+  // int8_products is k[2l] q[2l] + k[2l + 1] q[2l + 1] over kInt8Step features (sign extension, vpmaddwd),
+  // exact, as are the sums below while they stay under 2^31 (storage.hpp's kInt16QueryMaxLength).
+  static constexpr bool kInt8Products = true;
+  static constexpr Eigen::Index kInt8Step = 16;
+  using IReg = __m256i;
+  static IReg izero() noexcept { return _mm256_setzero_si256(); }
+  static IReg iadd(IReg a, IReg b) noexcept { return _mm256_add_epi32(a, b); }
+  static IReg iloadu(const std::int32_t* p) noexcept { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static IReg int8_products(const std::int8_t* k, const std::int16_t* q) noexcept {
+    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+    return _mm256_madd_epi16(wide, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  }
+  // Lane t of the result is the sum of r[t]'s lanes: 128-bit halves folded, then 32- and 64-bit pairs.
+  static IReg sum_lanes(const IReg (&r)[8]) noexcept {
+    IReg t[4], v[2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)  // lanes 0-3: r[i]'s halves added; lanes 4-7: r[i + 4]'s
+      t[i] = _mm256_add_epi32(_mm256_permute2x128_si256(r[i], r[i + 4], 0x20), _mm256_permute2x128_si256(r[i], r[i + 4], 0x31));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i)  // per half: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of t[2i] = a, t[2i + 1] = b
+      v[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(t[2 * i], t[2 * i + 1]), _mm256_unpackhi_epi32(t[2 * i], t[2 * i + 1]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(v[0], v[1]), _mm256_unpackhi_epi64(v[0], v[1]));
+  }
+  static Reg to_float(IReg x) noexcept { return _mm256_cvtepi32_ps(x); }
+  // A query of n floats (0 < n <= kInt16QueryMaxLength) rounded to int16 for int8_products: q[i] = x[i] *
+  // (32767 / a) rounded to nearest, ties to even, in double (so |q[i]| <= 32767), a = max |x|; factor =
+  // a / 32767 (double), so x[i] ~ factor * q[i] within factor / 2. An all-zero query gives q = 0 and factor
+  // 0. Returns false, writing nothing, when a value is not finite.
+  static bool quantize_query(const float* x, Eigen::Index n, std::int16_t* q, double& factor) noexcept {
+    const auto part = [&](Eigen::Index i) SDPA_ALWAYS_INLINE_LAMBDA {
+      return i + width <= n ? loadu(x + i) : loadu(x + i, mask(n - i));  // the lanes past n read as 0
+    };
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (Eigen::Index i = 0; i < n; i += width) {
+      const __m256 v = part(i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+      nan = _mm256_add_ps(nan, _mm256_sub_ps(v, v));  // v - v: 0, or NaN where v is not finite
+    }
+    if (_mm256_movemask_ps(_mm256_cmp_ps(nan, nan, _CMP_UNORD_Q)) != 0) return false;
+    const float a = reduce_max(amax);
+    if (a == 0.0f) {
+      std::fill_n(q, n, std::int16_t{0});
+      factor = 0.0;
+      return true;
+    }
+    const __m256d scale = _mm256_set1_pd(32767.0 / static_cast<double>(a));
+    const __m256d hi = _mm256_set1_pd(32767.0), lo = _mm256_set1_pd(-32767.0);
+    const auto round = [&](__m128 v) SDPA_ALWAYS_INLINE_LAMBDA {
+      const __m256d r = _mm256_round_pd(_mm256_mul_pd(_mm256_cvtps_pd(v), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm256_cvtpd_epi32(_mm256_min_pd(hi, _mm256_max_pd(lo, r)));
+    };
+    for (Eigen::Index i = 0; i < n; i += width) {
+      const __m256 v = part(i);
+      const __m128i words = _mm_packs_epi32(round(_mm256_castps256_ps128(v)), round(_mm256_extractf128_ps(v, 1)));
+      if (i + width <= n) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), words);
+      } else {
+        alignas(16) std::int16_t last[width];
+        _mm_store_si128(reinterpret_cast<__m128i*>(last), words);
+        std::copy_n(last, n - i, q + i);
+      }
+    }
+    factor = static_cast<double>(a) / 32767.0;
+    return true;
+  }
   static Reg fmadd(Reg a, Reg b, Reg c) noexcept { return _mm256_fmadd_ps(a, b, c); }
   static Reg mul(Reg a, Reg b) noexcept { return _mm256_mul_ps(a, b); }
   static Reg add(Reg a, Reg b) noexcept { return _mm256_add_ps(a, b); }

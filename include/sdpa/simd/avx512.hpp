@@ -65,6 +65,8 @@ struct Vec<float> {
   }
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+  // int8 keys' products are widened float ones here (generic_rows.inc's int8_chunk_scores is AVX2's).
+  static constexpr bool kInt8Products = false;
   static Reg zero() noexcept { return _mm512_setzero_ps(); }
   static Reg set1(float x) noexcept { return _mm512_set1_ps(x); }
   static Reg broadcast(const float* p) noexcept { return _mm512_set1_ps(*p); }  // an FMA's memory operand

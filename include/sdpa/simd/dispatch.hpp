@@ -174,6 +174,17 @@ void chunk_scores_stored(Isa isa, const T* k, Eigen::Index k_row, Eigen::Index k
   portable::chunk_scores_stored(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
 }
 
+// Whether chunk_scores_stored sums int8 keys' products in integers on this path, against each query rounded
+// to int16 (generic_rows.inc's int8_chunk_scores), for head sizes up to kInt16QueryMaxLength.
+inline bool int8_integer_products(Isa isa) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::Vec<float>::kInt8Products;
+  if (isa == Isa::kAvx2) return avx2::Vec<float>::kInt8Products;
+#endif
+  (void)isa;
+  return false;
+}
+
 template <typename T>
 void add_weighted_rows_stored(Isa isa, float* acc, Eigen::Index n, const float* w, const T* rows, Eigen::Index stride,
                               const float* scales, Eigen::Index scale_stride, Eigen::Index m, Eigen::Index ahead = 0) noexcept {
