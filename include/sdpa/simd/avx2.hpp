@@ -115,6 +115,10 @@ struct Vec<float> {
     return _mm256_add_epi32(_mm256_unpacklo_epi64(v[0], v[1]), _mm256_unpackhi_epi64(v[0], v[1]));
   }
   static Reg to_float(IReg x) noexcept { return _mm256_cvtepi32_ps(x); }
+  // Lane t is p[t * stride] (lane by lane: a vector load of scalars just stored would wait for them).
+  static Reg strided(const float* p, Eigen::Index stride) noexcept {
+    return _mm256_setr_ps(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride], p[5 * stride], p[6 * stride], p[7 * stride]);
+  }
   // A query of n floats (0 < n <= kInt16QueryMaxLength) rounded to int16 for int8_products: q[i] = x[i] *
   // (32767 / a) rounded to nearest, ties to even, in double (so |q[i]| <= 32767), a = max |x|; factor =
   // a / 32767 (double), so x[i] ~ factor * q[i] within factor / 2. An all-zero query gives q = 0 and factor
