@@ -1,6 +1,8 @@
 // Storage types apart from the compute type (ATen's opmath_type, tinyBLAS's TA/TB/TC): key/value caches and
 // module weights may be stored as bfloat16, float16 or int8 while every kernel computes and accumulates in
-// float; values are converted where they are loaded or packed, never a whole cache or matrix at once.
+// float (but the AVX2 decoding kernel's int8 key scores: exact integer sums against the query rounded to
+// int16, kInt16QueryMaxLength); values are converted where they are loaded or packed, never a whole cache
+// or matrix at once.
 //   sdpa::Storage              kFloat32, kBFloat16, kFloat16, kInt8 (and kFloat64, what a double module keeps)
 //   BFloat16, Float16          one stored element each (the bits; distinct types so that a kernel cannot read
 //                              one as the other)
