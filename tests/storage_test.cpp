@@ -435,6 +435,14 @@ TEST(StorageConversion, Int8ScoresOfQueriesThatAreNotFinite) {
         }
       }
     }
+  // A finite query whose rounding factor times the scale passes float's range: an all-zero key still
+  // scores 0 (as its widened products do), not 0 * infinity.
+  std::vector<float> big(static_cast<std::size_t>(d), 1e30f);
+  std::vector<std::int8_t> zero_key(static_cast<std::size_t>(d), 0);
+  std::vector<float> one_scale(1, 0.01f), got(1, -1.0f);
+  sdpa::simd::chunk_scores_stored(isa, zero_key.data(), d, d, Index{1}, one_scale.data(), Index{1}, big.data(), d, d,
+                                  Index{1}, Index{1}, Index{1}, d, 1e20f, got.data(), Index{1});
+  EXPECT_EQ(got[0], 0.0f);
 }
 
 // Stored keys at d = 64 and 128 with one query per head go through the unrolled kernel for whole blocks of
