@@ -11,6 +11,10 @@
 //                                                 keys and values (2 x n x 512 entries) at the streaming
 //                                                 widen + FMA rate, entries in L1 (widen_floor.hpp): a lower
 //                                                 bound on its compute time (AVX2 + FMA machines)
+//   decode/projections/rows:<r>/weights:<w>/threads:1
+//                                                 a step's four projections alone (kernels::project_few_rows:
+//                                                 four 512 x 512 weights stored as w, f32 or bf16, against r
+//                                                 input rows, one per sequence of a batch)
 //   decode/recompute/N:<n>/threads:1              forward(x, x, x, {causal}) over all n + 1 tokens: what a
 //                                                 step replaces
 //   decode/read/bytes:<B>/threads:<t>             a STREAM-like sum over B bytes, B = what the batch-1 step
@@ -117,6 +121,36 @@ void widen_fma_case(benchmark::State& state, sdpa::Storage storage, Index n) {
     benchmark::DoNotOptimize(sum);
   }
   state.counters["entries"] = static_cast<double>(entries);
+}
+
+void projections_case(benchmark::State& state, Index rows, sdpa::Storage weights) {
+  constexpr Index kIn = 512, kOut = 512, kTargets = 4;
+  std::vector<float> w(static_cast<std::size_t>(kTargets * kOut * kIn)), x(static_cast<std::size_t>(rows * kIn));
+  std::vector<float> bias(static_cast<std::size_t>(kOut), 0.0f), y(static_cast<std::size_t>(kTargets * rows * kOut));
+  std::vector<sdpa::BFloat16> wb(w.size());
+  sdpa::Philox rng(7);
+  for (float& v : w) v = static_cast<float>(sdpa::uniform_double(rng)) - 0.5f;
+  for (float& v : x) v = static_cast<float>(sdpa::uniform_double(rng)) - 0.5f;
+  for (std::size_t i = 0; i < w.size(); ++i) wb[i] = sdpa::to_bfloat16(w[i]);
+  std::vector<sdpa::kernels::ProjectionTarget<float>> targets(static_cast<std::size_t>(kTargets));
+  for (Index t = 0; t < kTargets; ++t) {
+    auto& tg = targets[static_cast<std::size_t>(t)];
+    const std::size_t offset = static_cast<std::size_t>(t * kOut * kIn);
+    tg.weight = weights == sdpa::Storage::kFloat32 ? w.data() + offset : nullptr;
+    tg.bias = bias.data();
+    tg.out = kOut;
+    tg.y = y.data() + t * rows * kOut;
+    tg.ldy = kOut;
+    if (weights != sdpa::Storage::kFloat32) {
+      tg.weight_storage = weights;
+      tg.weight_stored = wb.data() + offset;
+    }
+  }
+  for (auto _ : state) {
+    sdpa::kernels::project_few_rows(x.data(), rows, kIn, kIn, targets.data(), targets.size(), nullptr);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
 }
 
 void recompute_case(benchmark::State& state, Index n) {
@@ -301,6 +335,12 @@ int main(int argc, char** argv) {
       add("decode/read/storage/" + tag + "/bytes:" + std::to_string(static_cast<long long>(bytes)) + "/threads:1",
           [bytes](benchmark::State& s) { read_case(s, bytes, 1); });
     }
+    for (const auto& kind : {std::make_pair("f32", Storage::kFloat32), std::make_pair("bf16", Storage::kBFloat16)})
+      for (Index rows : {Index(1), Index(2), Index(4), Index(8), Index(16)}) {
+        const Storage st = kind.second;
+        add("decode/projections/rows:" + std::to_string(rows) + "/weights:" + kind.first + "/threads:1",
+            [rows, st](benchmark::State& s) { projections_case(s, rows, st); });
+      }
     const sdpa::CpuFeatures& cpu = sdpa::cpu_features();
     if (cpu.avx2 && cpu.fma && cpu.f16c) {
       const std::pair<const char*, Storage> kinds[] = {

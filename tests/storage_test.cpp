@@ -248,13 +248,14 @@ TEST(StorageConversion, VectorWideningMatchesTheScalarForms) {
 }
 
 // dot_rows (the few-row projections: one weight row against several input rows) gives each row the bits of
-// dot, or of dot_stored for bfloat16 / float16 weights, on every path: row counts odd and even, lengths
+// dot, or of dot_stored for bfloat16 / float16 weights, on every path: row counts odd and even (every mix of
+// dot_row_block's blocks, 3 to 8, and the pairs past them, up to project_few_rows' 16), lengths
 // around the vector widths; and those are within rounding of a double-precision sum.
 TEST(StorageConversion, DotRowsGiveEachRowTheBitsOfOneDot) {
   const sdpa::Isa isa = sdpa::active_isa();
   Rng rng(19);
   for (Index n : {Index(1), Index(7), Index(8), Index(16), Index(31), Index(64), Index(70), Index(512)})
-    for (Index rows : {Index(1), Index(2), Index(3), Index(8)}) {
+    for (Index rows : {Index(1), Index(2), Index(3), Index(4), Index(5), Index(6), Index(7), Index(8), Index(9), Index(16)}) {
       const Index ldb = n + 3;
       std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(rows * ldb)), out(16, 0.0f);
       for (float& v : a) v = static_cast<float>(rng.normal());

@@ -178,7 +178,7 @@ void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std
 
 // The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
 // matrix product's packing or a matrix-vector product per row would read the weights again, and its
-// vectors are loaded once for two rows (simd::dot_rows: each output the bits of one dot); threads split the
+// vectors are loaded once for up to eight rows (simd::dot_rows: each output the bits of one dot); threads split the
 // output features. Narrow weights are read as they are stored (widened as dot_stored does), in the same
 // order of operations as float ones. Allocates nothing.
 template <typename Scalar>
