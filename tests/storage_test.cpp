@@ -492,6 +492,53 @@ TEST(StorageConversion, UnrolledScoresGiveTheGeneralKernelsBits) {
     }
 }
 
+// add_weighted_rows_stored_heads (the decoding step's value rows for every head at once) gives each head the
+// bits of one add_weighted_rows_stored call over its value head's rows (grouped heads, int8 scales, blocks of
+// 16 and short ones, head sizes with and without a tail).
+TEST(StorageConversion, StoredValueRowsForEveryHeadGiveEachHeadsBits) {
+  const sdpa::Isa isa = sdpa::active_isa();
+  Rng rng(19);
+  for (Storage s : kNarrow)
+    for (Index d : {Index(48), Index(64), Index(70)})
+      for (Index group : {Index(1), Index(2), Index(3)})
+        for (Index m : {Index(16), Index(5)}) {
+          const Index kv = 2, heads = kv * group, row = kv * d, n = 24, lw = 20;
+          std::vector<float> x(static_cast<std::size_t>(n * row)), scales(static_cast<std::size_t>(n * kv));
+          for (float& v : x) v = static_cast<float>(rng.normal());
+          for (float& v : scales) v = static_cast<float>(rng.uniform(0.001, 0.1));
+          std::vector<sdpa::BFloat16> b(x.size());
+          std::vector<sdpa::Float16> h(x.size());
+          std::vector<std::int8_t> q8(x.size());
+          for (std::size_t i = 0; i < x.size(); ++i) {
+            b[i] = sdpa::to_bfloat16(x[i]);
+            h[i] = sdpa::to_float16(x[i]);
+            q8[i] = static_cast<std::int8_t>(std::lround(std::max(-127.0f, std::min(127.0f, 40 * x[i]))));
+          }
+          std::vector<float> w(static_cast<std::size_t>(heads * lw));
+          for (float& v : w) v = static_cast<float>(rng.uniform(0, 1));
+          const Index la = d + 3;  // accumulators apart by more than d
+          std::vector<float> all(static_cast<std::size_t>(heads * la)), one(all.size());
+          for (std::size_t i = 0; i < all.size(); ++i) all[i] = one[i] = static_cast<float>(rng.normal());
+          const float* sc = s == Storage::kInt8 ? scales.data() : nullptr;
+          const auto check = [&](const auto* v) {
+            // From row 2, with the rest of the rows as the prefetched ones.
+            const auto* v2 = v + 2 * row;
+            const float* sc2 = sc == nullptr ? nullptr : sc + 2 * kv;
+            sdpa::simd::add_weighted_rows_stored_heads(isa, all.data(), la, d, w.data(), lw, v2, row, d, sc2, kv, heads, group, m,
+                                                       std::min<Index>(16, n - 2 - m));
+            for (Index hh = 0; hh < heads; ++hh)
+              sdpa::simd::add_weighted_rows_stored(isa, one.data() + hh * la, d, w.data() + hh * lw, v2 + (hh / group) * d, row,
+                                                   sc2 == nullptr ? nullptr : sc2 + hh / group, kv, m);
+          };
+          if (s == Storage::kBFloat16) check(b.data());
+          else if (s == Storage::kFloat16) check(h.data());
+          else check(q8.data());
+          for (std::size_t i = 0; i < all.size(); ++i)
+            ASSERT_EQ(bits_of(all[i]), bits_of(one[i])) << sdpa::storage_name(s) << " " << sdpa::isa_name(isa) << " d " << d
+                                                        << " group " << group << " rows " << m << " entry " << i;
+        }
+}
+
 // ---- Key/value caches ----
 
 class NarrowCache : public ::testing::TestWithParam<Storage> {};
@@ -566,6 +613,31 @@ TEST_P(NarrowCache, EntriesAreRoundedAndKernelsReadThem) {
   threaded.device = &device;
   const Tensor3 t = random3(rng, batch, 1, 96);
   EXPECT_EQ(max_abs_diff(m.step(t, n), m.step(t, n2, threaded)), 0.0);
+}
+
+// A step whose every row sees the same keys (no mask, not causal) takes the value rows for all heads at once,
+// one call per query: it gives what a float cache of the widened entries gives (grouped heads, a batch of two,
+// one to three queries, key lengths that differ between the batch entries).
+TEST_P(NarrowCache, EveryHeadAtOnceReadsTheWidenedEntries) {
+  const Storage s = GetParam();
+  Rng rng(21);
+  const Module m = make_module(rng, 128, 32, 4, 2);
+  const Index batch = 2;
+  Cache n(m, batch, 0, s);
+  (void)m.step(random3(rng, batch, 300, 128), n);
+  Cache w(m, batch);
+  w.assign(n.keys(), n.values(), n.position());
+  const bool exact = s == Storage::kFloat16 || sdpa::active_isa() == sdpa::Isa::kPortable;
+  const bool integer = s == Storage::kInt8 && sdpa::simd::int8_integer_products(sdpa::active_isa());
+  const double tol = exact ? 0.0 : integer ? 1e-4 : 2e-6;
+  for (bool lengths : {false, true})
+    for (Index nq : {Index(1), Index(2), Index(3)}) {
+      sdpa::AttentionOptions<float> o;
+      if (lengths) o.key_lengths = {300, 131};
+      const Tensor3 q = random3(rng, batch, nq, 128);
+      EXPECT_LE(max_rel(m.attend(q, n, o), m.attend(q, w, o)), tol)
+          << sdpa::storage_name(s) << ", " << nq << " queries" << (lengths ? ", key lengths" : "");
+    }
 }
 
 // A 256-token decode against the float cache, on random and on peaked attention (queries scaled so that the

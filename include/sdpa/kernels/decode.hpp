@@ -178,8 +178,26 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
       // (Float value rows are not prefetched: the hardware streams them, and on the Sapphire Rapids machine
       // the prefetches only slowed the step down; bench/RESULTS.md. Stored ones are, on the paths whose
       // kPrefetchStoredRows says so.)
+      // Stored values where every row sees the same solid segment of the chunk (no mask holes: the usual
+      // step): a block's rows go to every head in one call per query (stored_add_weighted_rows_heads), each
+      // head's sums as the per-head calls below would give them.
+      bool uniform = p.stored();
+      for (Index r = 1; uniform && r < rows; ++r)
+        uniform = segs[r].solid && segs[r].lo == segs[0].lo && segs[r].hi == segs[0].hi;
+      uniform = uniform && segs[0].solid;
       for (Index j0 = 0; j0 < n; j0 += kRows) {
         const Index m = std::min(kRows, n - j0);
+        if (uniform) {
+          const Index jlo = std::max(segs[0].lo, j0), jhi = std::min(segs[0].hi, j0 + m);
+          if (jlo >= jhi) continue;
+          // The next block's rows, where they follow in memory (the same block of a paged cache).
+          const Index ahead = std::clamp<Index>(p.run_of(k0 + jlo, n - jlo) - (jhi - jlo), 0, kRows);
+          for (Index q = 0; q < p.nq; ++q)
+            stored_add_weighted_rows_heads(p, ws.acc.data() + (item * p.heads * p.nq + q) * p.d_v, p.nq * p.d_v,
+                                           scores + q * kDecodeChunk + jlo, p.nq * kDecodeChunk, b, k0 + jlo, jhi - jlo,
+                                           q == 0 ? ahead : Index{0});
+          continue;
+        }
         Index prefetched = -1;  // the last value head whose next block was prefetched for this block
         for (Index h = 0; h < p.heads; ++h) {
           for (Index q = 0; q < p.nq; ++q) {

@@ -107,5 +107,28 @@ void stored_add_weighted_rows(const AttentionProblem<Scalar>& p, Scalar* acc, co
   }
 }
 
+// stored_add_weighted_rows for every query head over rows i0 .. i0 + m - 1 of batch entry b at once (query
+// head h reads value head h / kv_group): head h's weights at w + h * w_head, its accumulator at acc + h * acc_head.
+// Each head gets the bits one stored_add_weighted_rows call gives it; each value head's rows i0 + m ..
+// i0 + m + ahead - 1 (in the same block) are prefetched once.
+template <typename Scalar>
+void stored_add_weighted_rows_heads(const AttentionProblem<Scalar>& p, Scalar* acc, Eigen::Index acc_head, const Scalar* w,
+                                    Eigen::Index w_head, Eigen::Index b, Eigen::Index i0, Eigen::Index m,
+                                    Eigen::Index ahead) noexcept {
+  using Index = Eigen::Index;
+  if constexpr (std::is_same<Scalar, float>::value) {
+    const Index row = p.row_of(b, i0);
+    const Index offset = b * p.v.batch_stride + row * p.v.row_stride;
+    const float* scales = p.v_scales != nullptr ? p.v_scales + b * p.scale_batch_stride + row * p.kv_heads() : nullptr;
+    const auto run = [&](const auto* v) {
+      simd::add_weighted_rows_stored_heads(p.isa, acc, acc_head, p.d_v, w, w_head, v + offset, p.v.row_stride,
+                                           p.v.head_stride, scales, p.kv_heads(), p.heads, p.kv_group, m, ahead);
+    };
+    with_stored_entries(p.kv_storage, p.v_stored, run);
+  } else {
+    (void)p, (void)acc, (void)acc_head, (void)w, (void)w_head, (void)b, (void)i0, (void)m, (void)ahead;
+  }
+}
+
 }  // namespace kernels
 SDPA_NAMESPACE_END

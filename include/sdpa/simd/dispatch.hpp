@@ -196,6 +196,27 @@ void add_weighted_rows_stored(Isa isa, float* acc, Eigen::Index n, const float* 
   portable::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m, ahead);
 }
 
+// add_weighted_rows_stored for `heads` query heads over the same rows (generic_rows.inc's
+// add_weighted_rows_stored_heads): head h's weights at w + h * w_head, its accumulator at acc + h * acc_head,
+// its rows those of value head h / group at rows + (h / group) * head_stride (int8 scales at scales + h / group).
+template <typename T>
+void add_weighted_rows_stored_heads(Isa isa, float* acc, Eigen::Index acc_head, Eigen::Index n, const float* w,
+                                    Eigen::Index w_head, const T* rows, Eigen::Index stride, Eigen::Index head_stride,
+                                    const float* scales, Eigen::Index scale_stride, Eigen::Index heads, Eigen::Index group,
+                                    Eigen::Index m, Eigen::Index ahead) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512)
+    return avx512::add_weighted_rows_stored_heads(acc, acc_head, n, w, w_head, rows, stride, head_stride, scales, scale_stride,
+                                                  heads, group, m, ahead);
+  if (isa == Isa::kAvx2)
+    return avx2::add_weighted_rows_stored_heads(acc, acc_head, n, w, w_head, rows, stride, head_stride, scales, scale_stride,
+                                                heads, group, m, ahead);
+#endif
+  (void)isa;
+  portable::add_weighted_rows_stored_heads(acc, acc_head, n, w, w_head, rows, stride, head_stride, scales, scale_stride, heads,
+                                           group, m, ahead);
+}
+
 // The natural order of the features of an accumulator that add_weighted_rows_stored filled from bfloat16
 // rows (generic_rows.inc's unpair_features; nothing to do on the portable path).
 inline void unpair_features(Isa isa, float* acc, Eigen::Index n) noexcept {

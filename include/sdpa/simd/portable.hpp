@@ -198,6 +198,18 @@ void add_weighted_rows_stored(float* acc, Eigen::Index n, const float* w, const 
 }
 
 template <typename T>
+void add_weighted_rows_stored_heads(float* acc, Eigen::Index acc_head, Eigen::Index n, const float* w, Eigen::Index w_head,
+                                    const T* rows, Eigen::Index stride, Eigen::Index head_stride, const float* scales,
+                                    Eigen::Index scale_stride, Eigen::Index heads, Eigen::Index group, Eigen::Index m,
+                                    Eigen::Index /*ahead*/) noexcept {
+  for (Eigen::Index h = 0; h < heads; ++h) {
+    const Eigen::Index g = h / group;
+    add_weighted_rows_stored(acc + h * acc_head, n, w + h * w_head, rows + g * head_stride, stride,
+                             scales != nullptr ? scales + g : nullptr, scale_stride, m);
+  }
+}
+
+template <typename T>
 void widen_rows(const T* src, Eigen::Index lds, Eigen::Index rows, Eigen::Index cols, const float* scales,
                 Eigen::Index scale_stride, Eigen::Index span, float* dst, Eigen::Index ldd) noexcept {
   for (Eigen::Index r = 0; r < rows; ++r)
