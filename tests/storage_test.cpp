@@ -446,6 +446,33 @@ TEST(StorageConversion, Int8ScoresOfQueriesThatAreNotFinite) {
   EXPECT_EQ(got[0], 0.0f);
 }
 
+// Normal entries and per-(row, head) scales in [0.001, 0.1], drawn in that order, stored as every narrow
+// type: bfloat16 and float16 rounded, int8 as round(40 x) within +-127 (a pattern, not a quantisation).
+struct NarrowRows {
+  std::vector<float> x, scales;
+  std::vector<sdpa::BFloat16> b;
+  std::vector<sdpa::Float16> h;
+  std::vector<std::int8_t> q8;
+
+  NarrowRows(Rng& rng, Index entries, Index scale_count)
+      : x(static_cast<std::size_t>(entries)), scales(static_cast<std::size_t>(scale_count)), b(x.size()), h(x.size()), q8(x.size()) {
+    for (float& v : x) v = static_cast<float>(rng.normal());
+    for (float& v : scales) v = static_cast<float>(rng.uniform(0.001, 0.1));
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      b[i] = sdpa::to_bfloat16(x[i]);
+      h[i] = sdpa::to_float16(x[i]);
+      q8[i] = static_cast<std::int8_t>(std::lround(std::max(-127.0f, std::min(127.0f, 40 * x[i]))));
+    }
+  }
+  // f(rows) with the rows as storage s's type.
+  template <typename F>
+  void with(Storage s, F&& f) const {
+    if (s == Storage::kBFloat16) f(b.data());
+    else if (s == Storage::kFloat16) f(h.data());
+    else f(q8.data());
+  }
+};
+
 // Stored keys at d = 64 and 128 with one query per head go through the unrolled kernel for whole blocks of
 // keys (unrolled_chunk_scores) and the general one for the rest: every key's score has the bits that the
 // general kernel gives it alone (a call of one key), for every storage on every path (the test runs once
@@ -456,17 +483,8 @@ TEST(StorageConversion, UnrolledScoresGiveTheGeneralKernelsBits) {
   for (Storage s : kNarrow)
     for (Index d : {Index(64), Index(128)}) {
       const Index n = 45, kv = 2, heads = 6, row = kv * d;
-      std::vector<float> x(static_cast<std::size_t>(n * row)), scales(static_cast<std::size_t>(n * kv));
-      for (float& v : x) v = static_cast<float>(rng.normal());
-      for (float& v : scales) v = static_cast<float>(rng.uniform(0.001, 0.1));
-      std::vector<sdpa::BFloat16> b(x.size());
-      std::vector<sdpa::Float16> h(x.size());
-      std::vector<std::int8_t> q8(x.size());
-      for (std::size_t i = 0; i < x.size(); ++i) {
-        b[i] = sdpa::to_bfloat16(x[i]);
-        h[i] = sdpa::to_float16(x[i]);
-        q8[i] = static_cast<std::int8_t>(std::lround(std::max(-127.0f, std::min(127.0f, 40 * x[i]))));
-      }
+      const NarrowRows rows(rng, n * row, n * kv);
+      const std::vector<float>& scales = rows.scales;
       std::vector<float> q(static_cast<std::size_t>(heads * d));
       for (float& v : q) v = static_cast<float>(rng.normal());
       const Index lds = 48;
@@ -479,9 +497,7 @@ TEST(StorageConversion, UnrolledScoresGiveTheGeneralKernelsBits) {
           sdpa::simd::chunk_scores_stored(isa, k + j * row, row, d, 1, sc == nullptr ? nullptr : sc + j * kv, kv, q.data(), d,
                                           d, heads, heads / kv, 1, d, 0.125f, one.data() + j, lds);
       };
-      if (s == Storage::kBFloat16) check(b.data());
-      else if (s == Storage::kFloat16) check(h.data());
-      else check(q8.data());
+      rows.with(s, check);
       for (Index hh = 0; hh < heads; ++hh)
         for (Index j = 0; j < n; ++j) {
           const std::size_t at = static_cast<std::size_t>(hh * lds + j);
@@ -503,17 +519,8 @@ TEST(StorageConversion, StoredValueRowsForEveryHeadGiveEachHeadsBits) {
       for (Index group : {Index(1), Index(2), Index(3)})
         for (Index m : {Index(16), Index(5)}) {
           const Index kv = 2, heads = kv * group, row = kv * d, n = 24, lw = 20;
-          std::vector<float> x(static_cast<std::size_t>(n * row)), scales(static_cast<std::size_t>(n * kv));
-          for (float& v : x) v = static_cast<float>(rng.normal());
-          for (float& v : scales) v = static_cast<float>(rng.uniform(0.001, 0.1));
-          std::vector<sdpa::BFloat16> b(x.size());
-          std::vector<sdpa::Float16> h(x.size());
-          std::vector<std::int8_t> q8(x.size());
-          for (std::size_t i = 0; i < x.size(); ++i) {
-            b[i] = sdpa::to_bfloat16(x[i]);
-            h[i] = sdpa::to_float16(x[i]);
-            q8[i] = static_cast<std::int8_t>(std::lround(std::max(-127.0f, std::min(127.0f, 40 * x[i]))));
-          }
+          const NarrowRows rows(rng, n * row, n * kv);
+          const std::vector<float>& scales = rows.scales;
           std::vector<float> w(static_cast<std::size_t>(heads * lw));
           for (float& v : w) v = static_cast<float>(rng.uniform(0, 1));
           const Index la = d + 3;  // accumulators apart by more than d
@@ -530,9 +537,7 @@ TEST(StorageConversion, StoredValueRowsForEveryHeadGiveEachHeadsBits) {
               sdpa::simd::add_weighted_rows_stored(isa, one.data() + hh * la, d, w.data() + hh * lw, v2 + (hh / group) * d, row,
                                                    sc2 == nullptr ? nullptr : sc2 + hh / group, kv, m);
           };
-          if (s == Storage::kBFloat16) check(b.data());
-          else if (s == Storage::kFloat16) check(h.data());
-          else check(q8.data());
+          rows.with(s, check);
           for (std::size_t i = 0; i < all.size(); ++i)
             ASSERT_EQ(bits_of(all[i]), bits_of(one[i])) << sdpa::storage_name(s) << " " << sdpa::isa_name(isa) << " d " << d
                                                         << " group " << group << " rows " << m << " entry " << i;
