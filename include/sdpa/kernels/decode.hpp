@@ -181,10 +181,9 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
       // Stored values where every row sees the same solid segment of the chunk (no mask holes: the usual
       // step): a block's rows go to every head in one call per query (stored_add_weighted_rows_heads), each
       // head's sums as the per-head calls below would give them.
-      bool uniform = p.stored();
+      bool uniform = p.stored() && segs[0].solid;
       for (Index r = 1; uniform && r < rows; ++r)
         uniform = segs[r].solid && segs[r].lo == segs[0].lo && segs[r].hi == segs[0].hi;
-      uniform = uniform && segs[0].solid;
       for (Index j0 = 0; j0 < n; j0 += kRows) {
         const Index m = std::min(kRows, n - j0);
         if (uniform) {
