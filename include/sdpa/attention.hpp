@@ -87,6 +87,28 @@ void check_packed(const CallShape& c, const AttentionOptions<Scalar>& o) {
 // Every option against the call's shape, before any work: std::invalid_argument naming the function, the
 // field, what it must be and what it is. A module call (module_call) refuses the fields that belong to
 // sdpa::attention alone.
+// Compute::kBf16 where it runs: float problems, the tiled or automatic kernel, no backward state.
+template <typename Scalar>
+void check_compute(const char* where, Compute compute, Kernel kernel, bool keeps_state) {
+  if (compute == Compute::kFloat) return;
+  if (!std::is_same<Scalar, float>::value)
+    throw_invalid(where, "compute", "Compute::kFloat for double (kBf16 rounds float operands)", compute_name(compute));
+  if (kernel == Kernel::kReference)
+    throw_invalid(where, "compute", "Compute::kFloat with Kernel::kReference (the reference multiplies in float)",
+                  compute_name(compute));
+  if (keeps_state)
+    throw_invalid(where, "compute",
+                  "Compute::kFloat for a forward that keeps a state for the backward (kBf16 has no backward yet)",
+                  compute_name(compute));
+}
+
+// The products' type of a checked call, and under kBf16 the instructions that run them (read once).
+template <typename Scalar>
+void set_compute(kernels::AttentionProblem<Scalar>& p, Compute compute) {
+  p.compute = compute;
+  p.bf16_path = compute == Compute::kBf16 ? active_bf16_path() : Bf16Path::kEmulated;
+}
+
 template <typename Scalar>
 void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>& o, bool module_call) {
   const char* where = c.where;
@@ -121,6 +143,10 @@ void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>&
     throw_invalid(where, "scale", "0 (1 / sqrt(d_k)) or a finite positive factor", o.scale);
   if (!(std::isfinite(o.softcap) && o.softcap >= Scalar(0)))
     throw_invalid(where, "softcap", "0 (none) or a finite positive cap", o.softcap);
+  if (module_call && o.compute != Compute::kFloat)
+    throw_invalid(where, "compute (set_compute sets the module's)", "left at its default in a module call",
+                  "set: it is an option of sdpa::attention only");
+  if (!module_call) check_compute<Scalar>(where, o.compute, o.kernel, /*keeps_state=*/false);
   if (module_call) {
     const char* own = nullptr;
     if (o.layout != Layout::kBHND) own = "layout (the module's inputs are (batch, seq, d_model))";
@@ -166,17 +192,18 @@ kernels::AttentionProblem<Scalar> problem_of(const CallShape& c, const Attention
   p.query_offset = query_offset;
   p.masked_rows = policy;
   p.probabilities = o.probabilities != nullptr ? o.probabilities->data() : nullptr;
+  set_compute(p, o.compute);
   return p;
 }
 
 // Runs the forward kernel the choice names: the plain reference, the decoding kernel (kAuto with 16 queries
-// or fewer; its scratch in `workspace`, or a fresh one), or the tiled kernel.
+// or fewer, float products; its scratch in `workspace`, or a fresh one), or the tiled kernel.
 template <typename Scalar>
 void run_attention(const kernels::AttentionProblem<Scalar>& p, Kernel kernel,
                    kernels::DecodeWorkspace<Scalar>* workspace, const Eigen::ThreadPoolDevice* device) {
   if (kernel == Kernel::kReference) {
     kernels::reference_attention(p, device);
-  } else if (kernel == Kernel::kAuto && kernels::decode_suits(p)) {
+  } else if (kernel == Kernel::kAuto && p.compute == Compute::kFloat && kernels::decode_suits(p)) {
     kernels::DecodeWorkspace<Scalar> local;
     kernels::decode_attention(p, workspace != nullptr ? *workspace : local, device);
   } else {
@@ -518,6 +545,7 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
   c.d_k = qd[3];
   c.d_v = vd[3];
   check_attention_options(c, options, /*module_call=*/false);
+  check_compute<Scalar>(where, options.compute, options.kernel, /*keeps_state=*/state != nullptr);
 
   // Checked: from here on nothing throws but an allocation failure.
   const std::array<Index, 4> out_dims =

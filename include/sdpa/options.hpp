@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "sdpa/compute.hpp"
 #include "sdpa/error.hpp"
 
 SDPA_NAMESPACE_BEGIN
@@ -80,6 +81,10 @@ struct AttentionOptions {
   Scalar dropout = Scalar(0);         // probability; the mask is drawn from dropout_seed (Philox)
   std::uint64_t dropout_seed = 0;
   const Rotary* rotary = nullptr;     // rotates q (at q') and k (at k) before the scores
+  // The products' type (sdpa/compute.hpp): kBf16 multiplies bfloat16-rounded q, k, v and probabilities
+  // with float sums (float only; the tiled kernel whatever the shape; no backward yet, so no
+  // AttentionState). The module has set_compute.
+  Compute compute = Compute::kFloat;
 };
 
 // The slopes of ALiBi (Press, Smith and Lewis, "Train Short, Test Long", ICLR 2022), as the paper's

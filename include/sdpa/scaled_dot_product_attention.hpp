@@ -93,7 +93,7 @@ class ScaledDotProductAttention {
   ScaledDotProductAttention(const ScaledDotProductAttention& other)
       : d_model_(other.d_model_), d_k_(other.d_k_), d_v_(other.d_v_), h_(other.h_), kv_heads_(other.kv_heads_),
         dropout_(other.dropout_), training_(other.training_), masked_rows_(other.masked_rows_), kernel_(other.kernel_),
-        rotary_(other.rotary_), has_rotary_(other.has_rotary_), seed_(next_seed()), calls_(0),
+        compute_(other.compute_), rotary_(other.rotary_), has_rotary_(other.has_rotary_), seed_(next_seed()), calls_(0),
         id_(detail::next_module_id()), fc_q_(other.fc_q_), fc_k_(other.fc_k_), fc_v_(other.fc_v_), fc_o_(other.fc_o_) {}
   ScaledDotProductAttention& operator=(const ScaledDotProductAttention& other) {
     if (this != &other) {
@@ -328,6 +328,15 @@ class ScaledDotProductAttention {
   void set_kernel(Kernel kernel) noexcept { kernel_ = kernel; }
   Kernel kernel() const noexcept { return kernel_; }
 
+  // The type forward's attention products run in (sdpa/compute.hpp): kFloat, or kBf16 (float modules only,
+  // with the kAuto or kTiled kernel; a forward that keeps what backward needs refuses it). The projections
+  // and the cached decoding steps stay in float.
+  void set_compute(Compute compute) {
+    detail::check_compute<Scalar>("ScaledDotProductAttention::set_compute", compute, kernel_, /*keeps_state=*/false);
+    compute_ = compute;
+  }
+  Compute compute() const noexcept { return compute_; }
+
   // The rotary position embedding of the model's queries and keys (sdpa/rotary.hpp): every call rotates
   // its queries and keys at their positions (keys once, when a cache receives them). A cache filled
   // before set_rotary or clear_rotary holds keys rotated the old way. Refused (std::invalid_argument)
@@ -392,6 +401,7 @@ class ScaledDotProductAttention {
     swap(training_, other.training_);
     swap(masked_rows_, other.masked_rows_);
     swap(kernel_, other.kernel_);
+    swap(compute_, other.compute_);
     swap(seed_, other.seed_);
     swap(id_, other.id_);
     const std::uint64_t calls = calls_.load();
@@ -658,6 +668,7 @@ class ScaledDotProductAttention {
     const Index batch = qv.dims()[0], nq = qv.dims()[1], nk = kv.dims()[1];
     const detail::CallShape shape = call_shape("ScaledDotProductAttention::forward", batch, nq, nk);
     detail::check_attention_options(shape, options, /*module_call=*/true);
+    detail::check_compute<Scalar>(shape.where, compute_, kernel_, /*keeps_state=*/capture != nullptr);
     const Eigen::ThreadPoolDevice* device = options.device;
 
     // Checked: from here on nothing throws but an allocation failure.
@@ -678,6 +689,7 @@ class ScaledDotProductAttention {
     p.k = {proj.k, nk * proj.ldk, proj.ldk, d_k_};
     p.v = {proj.v, nk * proj.ldv, proj.ldv, d_v_};
     p.out = {att.data(), nq * hv, hv, d_v_};
+    detail::set_compute(p, compute_);
     draw_dropout(p);
     if (capture != nullptr) {
       capture->lse_.resize(static_cast<std::size_t>(batch * h_ * nq));
@@ -1233,6 +1245,7 @@ class ScaledDotProductAttention {
   bool training_ = true;
   MaskedRows masked_rows_ = MaskedRows::kZero;
   Kernel kernel_ = Kernel::kAuto;
+  Compute compute_ = Compute::kFloat;
   Rotary rotary_;
   bool has_rotary_ = false;
   std::uint64_t seed_;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "sdpa/attention.hpp"
+#include "sdpa/compute.hpp"
 #include "sdpa/cpu.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"

@@ -10,6 +10,7 @@
 
 #include "sdpa/detail/eigen.hpp"
 
+#include "sdpa/compute.hpp"
 #include "sdpa/cpu.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/options.hpp"
@@ -49,6 +50,10 @@ struct AttentionProblem {
   // h / kv_group; 1 for plain multi-head attention, heads for multi-query.
   Index kv_group = 1;
   Isa isa = active_isa();  // the kernels' path for this call (sdpa/cpu.hpp), read once
+  // The products' type (sdpa/compute.hpp; kBf16: float problems, tiled kernel) and, for kBf16, the
+  // instructions that run them, read once per call.
+  Compute compute = Compute::kFloat;
+  Bf16Path bf16_path = Bf16Path::kEmulated;
   Heads<const Scalar> q, k, v;  // q per query head, k and v per key/value head
   // Keys and values stored narrower than Scalar (a KVCache's bfloat16, float16 or int8 entries; float
   // problems only): then k.data and v.data are null and k_stored / v_stored hold the elements, addressed by

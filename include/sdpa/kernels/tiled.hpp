@@ -26,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "sdpa/kernels/bf16_products.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/scores.hpp"
 #include "sdpa/kernels/softmax.hpp"
@@ -82,7 +83,7 @@ class TileScorer {
         s_buf_(static_cast<std::size_t>(c.block_q * lds_ + kLine)),
         ranges_(static_cast<std::size_t>(c.group * c.block_q)),
         segments_(static_cast<std::size_t>(c.block_q)),
-        products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, c.pack_operands),
+        products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, p_.compute, p_.bf16_path, c.pack_operands),
         k_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_k) : 0),
         v_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_v) : 0) {}
 
@@ -156,7 +157,7 @@ class TileScorer {
     }
   }
 
-  TileProducts<Scalar>& products() noexcept { return products_; }
+  ComputeTileProducts<Scalar>& products() noexcept { return products_; }
   const TileStats& stats() const noexcept { return stats_; }
 
   // The value row of key k for (b, h), inside the key block a visitor is being handed: widened or gathered
@@ -210,7 +211,7 @@ class TileScorer {
   std::vector<Scalar> s_buf_;
   std::vector<KeyRange> ranges_;   // per group row
   std::vector<Segment> segments_;  // per tile row of the current tile
-  TileProducts<Scalar> products_;
+  ComputeTileProducts<Scalar> products_;
   TileStats stats_;
   std::vector<Scalar> k_wide_, v_wide_;  // a stored or paged problem's current key block, gathered (block_k x d)
   Index wide_k0_ = 0;

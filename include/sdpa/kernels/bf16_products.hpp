@@ -1,0 +1,274 @@
+// The two products of an attention tile under Compute::kBf16 (sdpa/compute.hpp), behind TileProducts'
+// interface (tile_products.hpp): s = alpha * bf16(q) bf16(k)^T and o += bf16(p) bf16(v), with the products
+// of bfloat16 pairs accumulated in float and alpha applied in float after the sum.
+//
+// On the hardware paths (AMX, AVX512_BF16) the key block is packed once into bfloat16 pairs (and its value
+// block on first use), each query block of the group once per group, and p once per tile; a product covers
+// the 16-row tiles and 16-column panels that hold the tile's computed rectangle, into a float scratch from
+// which the rectangle is copied (scores, times alpha) or added (outputs). The emulated path rounds the same
+// operands to bfloat16 values held in floats and hands them to the float products: a product of two
+// bfloat16 is exact in float, so the two differ only in the order of the float sums (and in the hardware's
+// treatment of subnormal bfloat16 as zero).
+//
+// A hidden key adds nothing to an output even when its value row is not finite: where the products would
+// reach a value row outside the tile's keys (the padding to 32 keys), the block's non-finite value rows are
+// left out of the product and the tile's visible keys added one by one instead.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include <memory>
+#include <type_traits>
+
+#include "sdpa/compute.hpp"
+#include "sdpa/kernels/tile_products.hpp"
+#include "sdpa/simd/bf16.hpp"
+#include "sdpa/storage.hpp"
+
+SDPA_NAMESPACE_BEGIN
+namespace kernels {
+
+// n floats at x rounded to bfloat16 and back (to nearest, ties to even; NaN stays NaN).
+inline void round_to_bf16(const float* x, Eigen::Index n, float* out) noexcept {
+  for (Eigen::Index i = 0; i < n; ++i) out[i] = bfloat16_to_float(to_bfloat16(x[i]).bits);
+}
+
+class Bf16TileProducts {
+ public:
+  using Index = Eigen::Index;
+
+  Bf16TileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v, Isa isa, Bf16Path path)
+      : d_k_(d_k), d_v_(d_v), path_(path), block_q_(block_q), block_k_(block_k) {
+    const std::size_t g = static_cast<std::size_t>(group);
+    q_ready_.assign(g, false);
+    if (path_ == Bf16Path::kEmulated) {
+      emulated_ = std::make_unique<TileProducts<float>>(block_q, block_k, group, d_k, d_v, isa);
+      q_round_.resize(g);
+      for (auto& q : q_round_) q.resize(static_cast<std::size_t>(block_q * d_k));
+      k_round_.resize(static_cast<std::size_t>(block_k * d_k));
+      v_round_.resize(static_cast<std::size_t>(block_k * d_v));
+      return;
+    }
+    dk_pad_ = bf16::round_up(d_k, bf16::kStep);
+    dv_pad_ = bf16::round_up(d_v, bf16::kTile);
+    rows_pad_ = bf16::round_up(block_q, bf16::kTile);
+    keys_pad_ = bf16::round_up(block_k, bf16::kStep);
+    q_packed_.resize(g);
+    for (auto& q : q_packed_) q.resize(static_cast<std::size_t>(rows_pad_ * dk_pad_));
+    k_packed_.resize(static_cast<std::size_t>(keys_pad_ * dk_pad_));
+    v_packed_.resize(static_cast<std::size_t>(keys_pad_ * dv_pad_));
+    p_packed_.resize(static_cast<std::size_t>(rows_pad_ * keys_pad_));
+    c_.resize(static_cast<std::size_t>(rows_pad_ * std::max(keys_pad_, dv_pad_)));
+  }
+
+  void new_group(bool single_key_block = false) noexcept {
+    std::fill(q_ready_.begin(), q_ready_.end(), false);
+    if (emulated_) emulated_->new_group(single_key_block);
+  }
+
+  void set_keys(const float* k, Index ldk, const float* v, Index ldv, Index cols) noexcept {
+    k_ = k;
+    ldk_ = ldk;
+    v_ = v;
+    ldv_ = ldv;
+    cols_ = cols;
+    k_ready_ = v_ready_ = false;
+  }
+
+  // TileProducts::scores' contract, on bfloat16 operands.
+  void scores(Index slot, const float* q, Index ldq, Index rows, Index i0, Index ni, Index j0, Index nj, float alpha,
+              float* s, Index lds) {
+    const std::size_t sl = static_cast<std::size_t>(slot);
+    if (emulated_) {
+      if (!k_ready_) {
+        for (Index j = 0; j < cols_; ++j) round_to_bf16(k_ + j * ldk_, d_k_, k_round_.data() + j * d_k_);
+        for (Index j = 0; j < cols_; ++j) round_to_bf16(v_ + j * ldv_, d_v_, v_round_.data() + j * d_v_);
+        emulated_->set_keys(k_round_.data(), d_k_, v_round_.data(), d_v_, cols_);
+        k_ready_ = v_ready_ = true;
+      }
+      if (!q_ready_[sl]) {
+        for (Index i = 0; i < rows; ++i) round_to_bf16(q + i * ldq, d_k_, q_round_[sl].data() + i * d_k_);
+        q_ready_[sl] = true;
+      }
+      emulated_->scores(slot, q_round_[sl].data(), d_k_, rows, i0, ni, j0, nj, alpha, s, lds);
+      return;
+    }
+#if SDPA_DISPATCH
+    if (!k_ready_) {
+      avx512_bf16::pack_transposed_pairs(k_, ldk_, cols_, d_k_, keys());
+      k_ready_ = true;
+    }
+    BFloat16* qp = q_packed_[sl].data();
+    if (!q_ready_[sl]) {
+      avx512_bf16::pack_rows(bf16::Rect{q, ldq, 0, rows, 0, d_k_}, bf16::Block{qp, dk_pad_, bf16::round_up(rows, 16), dk_pad_});
+      q_ready_[sl] = true;
+    }
+    const Index m_lo = i0 / 16, m_hi = (i0 + ni + 15) / 16, n_lo = j0 / 16, n_hi = (j0 + nj + 15) / 16;
+    bf16::Product x;
+    x.a = qp + m_lo * 16 * dk_pad_;
+    x.lda = dk_pad_;
+    x.b = k_packed_.data() + n_lo * (dk_pad_ / 2) * 32;
+    x.panel_stride = (dk_pad_ / 2) * 32;
+    x.m_tiles = m_hi - m_lo;
+    x.n_panels = n_hi - n_lo;
+    x.steps = dk_pad_ / bf16::kStep;
+    x.c = c_.data();
+    x.ldc = (n_hi - n_lo) * 16;
+    multiply(x);
+    for (Index i = i0; i < i0 + ni; ++i) {
+      const float* c = c_.data() + (i - m_lo * 16) * x.ldc + (j0 - n_lo * 16);
+      float* out = s + i * lds + j0;
+      for (Index j = 0; j < nj; ++j) out[j] = c[j] * alpha;
+    }
+#else
+    (void)q, (void)ldq, (void)rows, (void)i0, (void)ni, (void)j0, (void)nj, (void)alpha, (void)s, (void)lds;
+#endif
+  }
+
+  // TileProducts::accumulate's contract, on bfloat16 operands (p rounded as it is read).
+  void accumulate(Index rows, Index i0, Index ni, Index j0, Index nj, const float* p, Index ldp, float* o, Index ldo) {
+    if (emulated_) {
+      // The scores came first for this key block: k and v are rounded. p's rectangle rounded into scratch.
+      const Index need = (i0 + ni) * ldp;
+      if (static_cast<Index>(p_round_.size()) < need) p_round_.resize(static_cast<std::size_t>(need));
+      for (Index i = i0; i < i0 + ni; ++i) round_to_bf16(p + i * ldp + j0, nj, p_round_.data() + i * ldp + j0);
+      emulated_->accumulate(rows, i0, ni, j0, nj, p_round_.data(), ldp, o, ldo);
+      return;
+    }
+#if SDPA_DISPATCH
+    if (!v_ready_) {
+      avx512_bf16::pack_pairs(v_, ldv_, cols_, d_v_, values());
+      values_finite_ = true;
+      for (Index j = 0; j < cols_ && values_finite_; ++j) values_finite_ = row_is_finite(v_ + j * ldv_, d_v_);
+      v_ready_ = true;
+    }
+    const Index m_lo = i0 / 16, m_hi = (i0 + ni + 15) / 16;
+    const Index k_lo = j0 / bf16::kStep * bf16::kStep, k_hi = bf16::round_up(j0 + nj, bf16::kStep);
+    if (!values_finite_ && (k_lo < j0 || std::min(k_hi, cols_) > j0 + nj)) {
+      // The padding would multiply a zero p by a non-finite value row outside the tile's keys.
+      for (Index i = i0; i < i0 + ni; ++i)
+        for (Index j = j0; j < j0 + nj; ++j) {
+          const float w = bfloat16_to_float(to_bfloat16(p[i * ldp + j]).bits);
+          const float* v = v_ + j * ldv_;
+          for (Index d = 0; d < d_v_; ++d) o[i * ldo + d] += w * bfloat16_to_float(to_bfloat16(v[d]).bits);
+        }
+      return;
+    }
+    (void)rows;
+    const Index width = k_hi - k_lo;
+    bf16::Rect rect{p + m_lo * 16 * ldp + k_lo, ldp, i0 - m_lo * 16, i0 + ni - m_lo * 16, j0 - k_lo, j0 + nj - k_lo};
+    avx512_bf16::pack_rows(rect, bf16::Block{p_packed_.data(), width, (m_hi - m_lo) * 16, width});
+    const Index pairs = keys_pad_ / 2;
+    bf16::Product x;
+    x.a = p_packed_.data();
+    x.lda = width;
+    x.b = v_packed_.data() + (k_lo / 2) * 32;
+    x.panel_stride = pairs * 32;
+    x.m_tiles = m_hi - m_lo;
+    x.n_panels = dv_pad_ / 16;
+    x.steps = width / bf16::kStep;
+    x.c = c_.data();
+    x.ldc = dv_pad_;
+    multiply(x);
+    for (Index i = i0; i < i0 + ni; ++i) {
+      const float* c = c_.data() + (i - m_lo * 16) * x.ldc;
+      float* out = o + i * ldo;
+      for (Index d = 0; d < d_v_; ++d) out[d] += c[d];
+    }
+#else
+    (void)rows, (void)i0, (void)ni, (void)j0, (void)nj, (void)p, (void)ldp, (void)o, (void)ldo;
+#endif
+  }
+
+  Bf16Path path() const noexcept { return path_; }
+
+ private:
+  static bool row_is_finite(const float* x, Index n) noexcept {
+    for (Index i = 0; i < n; ++i)
+      if (!(x[i] - x[i] == 0.0f)) return false;
+    return true;
+  }
+
+#if SDPA_DISPATCH
+  bf16::Panels keys() noexcept { return bf16::Panels{k_packed_.data(), dk_pad_ / 2, keys_pad_ / 16}; }
+  bf16::Panels values() noexcept { return bf16::Panels{v_packed_.data(), keys_pad_ / 2, dv_pad_ / 16}; }
+  void multiply(const bf16::Product& x) const noexcept {
+    if (path_ == Bf16Path::kAmx)
+      amx::product(x);
+    else
+      avx512_bf16::product(x);
+  }
+#endif
+
+  const Index d_k_, d_v_;
+  const Bf16Path path_;
+  const Index block_q_, block_k_;
+  Index dk_pad_ = 0, dv_pad_ = 0, rows_pad_ = 0, keys_pad_ = 0;
+  std::vector<bool> q_ready_;
+  // Hardware paths: the group's query blocks, the key and value blocks in pairs, one tile's p, the products.
+  std::vector<std::vector<BFloat16>> q_packed_;
+  std::vector<BFloat16> k_packed_, v_packed_, p_packed_;
+  std::vector<float> c_;
+  bool values_finite_ = true;
+  // The emulated path: the rounded operands and the float products that multiply them.
+  std::unique_ptr<TileProducts<float>> emulated_;
+  std::vector<std::vector<float>> q_round_;
+  std::vector<float> k_round_, v_round_, p_round_;
+  const float* k_ = nullptr;
+  const float* v_ = nullptr;
+  Index ldk_ = 0, ldv_ = 0, cols_ = 0;
+  bool k_ready_ = false, v_ready_ = false;
+};
+
+// The products of a tile in the problem's compute type: TileProducts (kFloat), or Bf16TileProducts (kBf16,
+// float problems only; the checked core refuses it for double).
+template <typename Scalar>
+class ComputeTileProducts {
+ public:
+  using Index = Eigen::Index;
+
+  ComputeTileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v, Isa isa, Compute compute,
+                      Bf16Path path, bool packed = true)
+      : float_(block_q, block_k, compute == Compute::kBf16 ? 1 : group, compute == Compute::kBf16 ? 1 : d_k,
+               compute == Compute::kBf16 ? 1 : d_v, isa, packed) {
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (compute == Compute::kBf16) bf16_ = std::make_unique<Bf16TileProducts>(block_q, block_k, group, d_k, d_v, isa, path);
+    } else {
+      (void)path;
+    }
+  }
+
+  void new_group(bool single_key_block = false) noexcept {
+    if (bf16_) bf16_->new_group(single_key_block);
+    else float_.new_group(single_key_block);
+  }
+  void set_keys(const Scalar* k, Index ldk, const Scalar* v, Index ldv, Index cols) noexcept {
+    if constexpr (std::is_same<Scalar, float>::value)
+      if (bf16_) return bf16_->set_keys(k, ldk, v, ldv, cols);
+    float_.set_keys(k, ldk, v, ldv, cols);
+  }
+  void scores(Index slot, const Scalar* q, Index ldq, Index rows, Index i0, Index ni, Index j0, Index nj, Scalar alpha,
+              Scalar* s, Index lds) {
+    if constexpr (std::is_same<Scalar, float>::value)
+      if (bf16_) return bf16_->scores(slot, q, ldq, rows, i0, ni, j0, nj, alpha, s, lds);
+    float_.scores(slot, q, ldq, rows, i0, ni, j0, nj, alpha, s, lds);
+  }
+  void accumulate(Index rows, Index i0, Index ni, Index j0, Index nj, const Scalar* p, Index ldp, Scalar* o, Index ldo) {
+    if constexpr (std::is_same<Scalar, float>::value)
+      if (bf16_) return bf16_->accumulate(rows, i0, ni, j0, nj, p, ldp, o, ldo);
+    float_.accumulate(rows, i0, ni, j0, nj, p, ldp, o, ldo);
+  }
+
+ private:
+  TileProducts<Scalar> float_;  // sized for nothing under kBf16
+  std::unique_ptr<Bf16TileProducts> bf16_;
+};
+
+}  // namespace kernels
+SDPA_NAMESPACE_END

@@ -1,0 +1,286 @@
+// The bfloat16 products of Compute::kBf16 (sdpa/compute.hpp): float operands packed as bfloat16 (rounded
+// to nearest, ties to even), multiplied in pairs and accumulated in float. Two ISA namespaces, each in its
+// own target region and run only where sdpa/compute.hpp chose its path:
+//   avx512_bf16   packing (vcvtne2ps2bf16) and a product on vdpbf16ps, 8 rows x 2 panels of registers
+//   amx           the same product on AMX-BF16 tiles (tdpbf16ps), 2 x 2 tiles of 16 x 16 floats at a time
+// The operand layouts are namespace bf16's: A row-major (one row of the product's depth per row, padded),
+// B in pairs along the depth ("VNNI": each 32-bit lane holds two consecutive depth entries of one column),
+// 16 columns per panel, which is both vdpbf16ps's and an AMX B tile's layout.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include "sdpa/storage.hpp"
+
+namespace sdpa {
+inline namespace SDPA_ABI_NAMESPACE {
+namespace bf16 {
+using Index = Eigen::Index;
+
+constexpr Index kTile = 16;  // rows of an A tile, columns of a B panel and of a C tile
+constexpr Index kStep = 32;  // depth per product step: one 64-byte row of an A tile
+
+inline constexpr Index round_up(Index x, Index to) noexcept { return (x + to - 1) / to * to; }
+
+// The source of a row-major packing: row r, column c of the packed block is src[r * ld + c] inside the
+// rectangle [r0, r1) x [c0, c1) and zero outside it (only the rectangle is read).
+struct Rect {
+  const float* src = nullptr;
+  Index ld = 0;
+  Index r0 = 0, r1 = 0, c0 = 0, c1 = 0;
+};
+
+// A packed row-major bfloat16 block: rows x cols values, row stride ld (cols a multiple of kStep).
+struct Block {
+  BFloat16* data = nullptr;
+  Index ld = 0;
+  Index rows = 0, cols = 0;
+};
+
+// B of a product in pairs: B[k][n] is value 2 * (k % 2) ... of lane n % 16 of pair k / 2 of panel n / 16,
+// i.e. at data[((n / 16) * pairs + k / 2) * 32 + (n % 16) * 2 + k % 2]. pairs * 2 is the padded depth.
+struct Panels {
+  BFloat16* data = nullptr;
+  Index pairs = 0;
+  Index panels = 0;
+};
+
+// C[16 * m_tiles][16 * n_panels] (ldc floats) = A (lda values per row, from a) times the B panels from b
+// (panel_stride values from one panel to the next), over `steps` * kStep of depth. C is overwritten.
+struct Product {
+  const BFloat16* a = nullptr;
+  Index lda = 0;
+  const BFloat16* b = nullptr;
+  Index panel_stride = 0;
+  Index m_tiles = 0, n_panels = 0, steps = 0;
+  float* c = nullptr;
+  Index ldc = 0;
+};
+
+}  // namespace bf16
+}  // namespace SDPA_ABI_NAMESPACE
+}  // namespace sdpa
+
+#if SDPA_DISPATCH
+
+#include "sdpa/detail/intrinsics.hpp"
+
+#include <cstdint>
+#include <cstring>
+
+#include "sdpa/simd/target_avx512_bf16_begin.hpp"
+
+SDPA_NAMESPACE_BEGIN
+namespace avx512_bf16 {
+using Index = Eigen::Index;
+
+// 32 floats (lo: the first 16) as 32 bfloat16 in order.
+SDPA_ALWAYS_INLINE __m512i to_bf16(__m512 lo, __m512 hi) noexcept {
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+SDPA_ALWAYS_INLINE __mmask16 lanes(Index from, Index to) noexcept {  // lanes [from, to) of 16, clamped
+  const Index a = from < 0 ? 0 : from > 16 ? 16 : from, b = to < 0 ? 0 : to > 16 ? 16 : to;
+  if (b <= a) return 0;
+  return static_cast<__mmask16>(((1u << static_cast<unsigned>(b - a)) - 1u) << static_cast<unsigned>(a));
+}
+
+// dst = the rectangle of src rounded to bfloat16, zero elsewhere (bf16::Rect).
+inline void pack_rows(const bf16::Rect& src, const bf16::Block& dst) noexcept {
+  const __m512i zero = _mm512_setzero_si512();
+  for (Index r = 0; r < dst.rows; ++r) {
+    BFloat16* out = dst.data + r * dst.ld;
+    if (r < src.r0 || r >= src.r1) {
+      for (Index c = 0; c < dst.cols; c += 32) _mm512_storeu_si512(out + c, zero);
+      continue;
+    }
+    const float* in = src.src + r * src.ld;
+    for (Index c = 0; c < dst.cols; c += 32) {
+      const __mmask16 m0 = lanes(src.c0 - c, src.c1 - c), m1 = lanes(src.c0 - c - 16, src.c1 - c - 16);
+      const __m512 lo = _mm512_maskz_loadu_ps(m0, in + c), hi = _mm512_maskz_loadu_ps(m1, in + c + 16);
+      _mm512_storeu_si512(out + c, to_bf16(lo, hi));
+    }
+  }
+}
+
+// B[k][n] = src[n * ld + k] for n < n_rows, k < k_cols, zero elsewhere: the keys of a score product (one
+// key per source row), in panels of 16 keys. Each 16 x 16 block of bfloat16 pairs is a transpose of 32-bit
+// words.
+inline void pack_transposed_pairs(const float* src, Index ld, Index n_rows, Index k_cols, const bf16::Panels& dst) noexcept {
+  for (Index n0 = 0; n0 < dst.panels * 16; n0 += 16) {
+    for (Index k0 = 0; k0 < dst.pairs * 2; k0 += 32) {
+      __m512 w[16];
+      const __mmask16 m0 = lanes(0, k_cols - k0), m1 = lanes(0, k_cols - k0 - 16);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        if (n0 + j < n_rows) {
+          const float* in = src + (n0 + j) * ld + k0;
+          w[j] = _mm512_castsi512_ps(to_bf16(_mm512_maskz_loadu_ps(m0, in), _mm512_maskz_loadu_ps(m1, in + 16)));
+        } else {
+          w[j] = _mm512_setzero_ps();
+        }
+      }
+      // w[j] lane p: key n0 + j, pair k0 / 2 + p. Transposed: register p holds pair k0 / 2 + p of the 16 keys.
+      __m512 t[16], u[16];
+      constexpr __mmask16 kAll = 0xFFFF;
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_maskz_unpacklo_ps(kAll, w[i], w[i + 1]);
+        t[i + 1] = _mm512_maskz_unpackhi_ps(kAll, w[i], w[i + 1]);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0xEE);
+      }
+      BFloat16* out = dst.data + ((n0 / 16) * dst.pairs + k0 / 2) * 32;
+      const Index pairs_here = dst.pairs - k0 / 2 < 16 ? dst.pairs - k0 / 2 : 16;
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) {
+        const __m512 a = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0x88),
+                     b = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0x88);
+        const __m512 c = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0xDD),
+                     d = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0xDD);
+        const __m512 rows[4] = {_mm512_maskz_shuffle_f32x4(kAll, a, b, 0x88), _mm512_maskz_shuffle_f32x4(kAll, c, d, 0x88),
+                                _mm512_maskz_shuffle_f32x4(kAll, a, b, 0xDD), _mm512_maskz_shuffle_f32x4(kAll, c, d, 0xDD)};
+        // rows[0..3] are the transposed registers x, x + 4, x + 8, x + 12.
+#pragma GCC unroll 4
+        for (int y = 0; y < 4; ++y) {
+          const Index p = x + 4 * y;
+          if (p < pairs_here) _mm512_storeu_ps(reinterpret_cast<float*>(out + p * 32), rows[y]);
+        }
+      }
+    }
+  }
+}
+
+// B[k][n] = src[k * ld + n] for k < k_rows, n < n_cols, zero elsewhere: the values of an output product
+// (one key per source row), in panels of 16 value columns; two source rows make one pair.
+inline void pack_pairs(const float* src, Index ld, Index k_rows, Index n_cols, const bf16::Panels& dst) noexcept {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (Index n = 0; n < dst.panels; ++n) {
+    const __mmask16 m = lanes(0, n_cols - n * 16);
+    for (Index p = 0; p < dst.pairs; ++p) {
+      const Index k = 2 * p;
+      const __m512 even = k < k_rows ? _mm512_maskz_loadu_ps(m, src + k * ld + n * 16) : _mm512_setzero_ps();
+      const __m512 odd = k + 1 < k_rows ? _mm512_maskz_loadu_ps(m, src + (k + 1) * ld + n * 16) : _mm512_setzero_ps();
+      _mm512_storeu_si512(dst.data + (n * dst.pairs + p) * 32, _mm512_permutexvar_epi16(interleave, to_bf16(even, odd)));
+    }
+  }
+}
+
+// C = A B (bf16::Product) with vdpbf16ps: 8 rows x 2 panels of accumulators, A's pairs broadcast.
+template <int Panels>
+SDPA_ALWAYS_INLINE void product_block(const bf16::Product& x, Index i, Index n) noexcept {
+  __m512 acc[8][Panels];
+#pragma GCC unroll 8
+  for (int r = 0; r < 8; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < Panels; ++c) acc[r][c] = _mm512_setzero_ps();
+  const BFloat16* a = x.a + i * x.lda;
+  const BFloat16* b = x.b + n * x.panel_stride;
+  const Index pairs = x.steps * bf16::kStep / 2;
+  for (Index p = 0; p < pairs; ++p) {
+    __m512bh bv[Panels];
+#pragma GCC unroll 2
+    for (int c = 0; c < Panels; ++c) bv[c] = (__m512bh)_mm512_loadu_si512(b + c * x.panel_stride + p * 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+      std::int32_t word;
+      std::memcpy(&word, a + r * x.lda + 2 * p, sizeof word);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(word);
+#pragma GCC unroll 2
+      for (int c = 0; c < Panels; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], av, bv[c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < 8; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < Panels; ++c) _mm512_storeu_ps(x.c + (i + r) * x.ldc + (n + c) * 16, acc[r][c]);
+}
+
+inline void product(const bf16::Product& x) noexcept {
+  for (Index i = 0; i < x.m_tiles * 16; i += 8) {
+    Index n = 0;
+    for (; n + 2 <= x.n_panels; n += 2) product_block<2>(x, i, n);
+    if (n < x.n_panels) product_block<1>(x, i, n);
+  }
+}
+
+}  // namespace avx512_bf16
+SDPA_NAMESPACE_END
+
+#include "sdpa/simd/target_end.hpp"
+
+#include "sdpa/simd/target_amx_begin.hpp"
+
+SDPA_NAMESPACE_BEGIN
+namespace amx {
+using Index = Eigen::Index;
+
+// ldtilecfg's 64-byte operand, palette 1: every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1, start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  std::uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Tiles 0-3: C (rows x panels: 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1)); 4-5: A; 6-7: B.
+template <int Rows, int Cols>
+SDPA_ALWAYS_INLINE void product_block(const bf16::Product& x, Index i, Index n) noexcept {
+  _tile_zero(0);
+  if (Cols == 2) _tile_zero(1);
+  if (Rows == 2) _tile_zero(2);
+  if (Rows == 2 && Cols == 2) _tile_zero(3);
+  const long lda = static_cast<long>(x.lda * 2);
+  const BFloat16* a = x.a + i * 16 * x.lda;
+  const BFloat16* b = x.b + n * x.panel_stride;
+  for (Index s = 0; s < x.steps; ++s) {
+    _tile_loadd(4, a + s * bf16::kStep, lda);
+    _tile_loadd(6, b + s * 512, 64);
+    if (Rows == 2) _tile_loadd(5, a + 16 * x.lda + s * bf16::kStep, lda);
+    if (Cols == 2) _tile_loadd(7, b + x.panel_stride + s * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (Cols == 2) _tile_dpbf16ps(1, 4, 7);
+    if (Rows == 2) _tile_dpbf16ps(2, 5, 6);
+    if (Rows == 2 && Cols == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  const long ldc = static_cast<long>(x.ldc * 4);
+  float* c = x.c + i * 16 * x.ldc + n * 16;
+  _tile_stored(0, c, ldc);
+  if (Cols == 2) _tile_stored(1, c + 16, ldc);
+  if (Rows == 2) _tile_stored(2, c + 16 * x.ldc, ldc);
+  if (Rows == 2 && Cols == 2) _tile_stored(3, c + 16 * x.ldc + 16, ldc);
+}
+
+// C = A B (bf16::Product) on AMX tiles. Loads the tile configuration and releases the tile state, so a
+// call leaves nothing behind for the thread.
+inline void product(const bf16::Product& x) noexcept {
+  static const TileConfig config{};
+  _tile_loadconfig(&config);
+  Index i = 0;
+  for (; i + 2 <= x.m_tiles; i += 2) {
+    Index n = 0;
+    for (; n + 2 <= x.n_panels; n += 2) product_block<2, 2>(x, i, n);
+    if (n < x.n_panels) product_block<2, 1>(x, i, n);
+  }
+  if (i < x.m_tiles) {
+    Index n = 0;
+    for (; n + 2 <= x.n_panels; n += 2) product_block<1, 2>(x, i, n);
+    if (n < x.n_panels) product_block<1, 1>(x, i, n);
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+SDPA_NAMESPACE_END
+
+#include "sdpa/simd/target_end.hpp"
+
+#endif  // SDPA_DISPATCH
