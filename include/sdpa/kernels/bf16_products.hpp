@@ -34,8 +34,13 @@
 SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
-// n floats at x rounded to bfloat16 and back (to nearest, ties to even; NaN stays NaN).
-inline void round_to_bf16(const float* x, Eigen::Index n, float* out) noexcept {
+// n floats at x rounded to bfloat16 and back (sdpa::to_bfloat16's rounding), on the path `isa`.
+inline void round_to_bf16(Isa isa, const float* x, Eigen::Index n, float* out) noexcept {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return avx512::round_to_bf16(x, n, out);
+  if (isa == Isa::kAvx2) return avx2::round_to_bf16(x, n, out);
+#endif
+  (void)isa;
   for (Eigen::Index i = 0; i < n; ++i) out[i] = bfloat16_to_float(to_bfloat16(x[i]).bits);
 }
 
@@ -44,7 +49,7 @@ class Bf16TileProducts {
   using Index = Eigen::Index;
 
   Bf16TileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v, Isa isa, Bf16Path path)
-      : d_k_(d_k), d_v_(d_v), path_(path), block_q_(block_q), block_k_(block_k) {
+      : d_k_(d_k), d_v_(d_v), isa_(isa), path_(path) {
     const std::size_t g = static_cast<std::size_t>(group);
     q_ready_.assign(g, false);
     if (path_ == Bf16Path::kEmulated) {
@@ -87,13 +92,13 @@ class Bf16TileProducts {
     const std::size_t sl = static_cast<std::size_t>(slot);
     if (emulated_) {
       if (!k_ready_) {
-        for (Index j = 0; j < cols_; ++j) round_to_bf16(k_ + j * ldk_, d_k_, k_round_.data() + j * d_k_);
-        for (Index j = 0; j < cols_; ++j) round_to_bf16(v_ + j * ldv_, d_v_, v_round_.data() + j * d_v_);
+        for (Index j = 0; j < cols_; ++j) round_to_bf16(isa_, k_ + j * ldk_, d_k_, k_round_.data() + j * d_k_);
+        for (Index j = 0; j < cols_; ++j) round_to_bf16(isa_, v_ + j * ldv_, d_v_, v_round_.data() + j * d_v_);
         emulated_->set_keys(k_round_.data(), d_k_, v_round_.data(), d_v_, cols_);
         k_ready_ = v_ready_ = true;
       }
       if (!q_ready_[sl]) {
-        for (Index i = 0; i < rows; ++i) round_to_bf16(q + i * ldq, d_k_, q_round_[sl].data() + i * d_k_);
+        for (Index i = 0; i < rows; ++i) round_to_bf16(isa_, q + i * ldq, d_k_, q_round_[sl].data() + i * d_k_);
         q_ready_[sl] = true;
       }
       emulated_->scores(slot, q_round_[sl].data(), d_k_, rows, i0, ni, j0, nj, alpha, s, lds);
@@ -121,11 +126,8 @@ class Bf16TileProducts {
     x.c = c_.data();
     x.ldc = (n_hi - n_lo) * 16;
     multiply(x);
-    for (Index i = i0; i < i0 + ni; ++i) {
-      const float* c = c_.data() + (i - m_lo * 16) * x.ldc + (j0 - n_lo * 16);
-      float* out = s + i * lds + j0;
-      for (Index j = 0; j < nj; ++j) out[j] = c[j] * alpha;
-    }
+    avx512_bf16::scale_rows(c_.data() + (i0 - m_lo * 16) * x.ldc + (j0 - n_lo * 16), x.ldc, ni, nj, alpha, s + i0 * lds + j0,
+                            lds);
 #else
     (void)q, (void)ldq, (void)rows, (void)i0, (void)ni, (void)j0, (void)nj, (void)alpha, (void)s, (void)lds;
 #endif
@@ -137,7 +139,7 @@ class Bf16TileProducts {
       // The scores came first for this key block: k and v are rounded. p's rectangle rounded into scratch.
       const Index need = (i0 + ni) * ldp;
       if (static_cast<Index>(p_round_.size()) < need) p_round_.resize(static_cast<std::size_t>(need));
-      for (Index i = i0; i < i0 + ni; ++i) round_to_bf16(p + i * ldp + j0, nj, p_round_.data() + i * ldp + j0);
+      for (Index i = i0; i < i0 + ni; ++i) round_to_bf16(isa_, p + i * ldp + j0, nj, p_round_.data() + i * ldp + j0);
       emulated_->accumulate(rows, i0, ni, j0, nj, p_round_.data(), ldp, o, ldo);
       return;
     }
@@ -176,11 +178,7 @@ class Bf16TileProducts {
     x.c = c_.data();
     x.ldc = dv_pad_;
     multiply(x);
-    for (Index i = i0; i < i0 + ni; ++i) {
-      const float* c = c_.data() + (i - m_lo * 16) * x.ldc;
-      float* out = o + i * ldo;
-      for (Index d = 0; d < d_v_; ++d) out[d] += c[d];
-    }
+    avx512_bf16::add_rows(c_.data() + (i0 - m_lo * 16) * x.ldc, x.ldc, ni, d_v_, o + i0 * ldo, ldo);
 #else
     (void)rows, (void)i0, (void)ni, (void)j0, (void)nj, (void)p, (void)ldp, (void)o, (void)ldo;
 #endif
@@ -207,8 +205,8 @@ class Bf16TileProducts {
 #endif
 
   const Index d_k_, d_v_;
+  const Isa isa_;
   const Bf16Path path_;
-  const Index block_q_, block_k_;
   Index dk_pad_ = 0, dv_pad_ = 0, rows_pad_ = 0, keys_pad_ = 0;
   std::vector<bool> q_ready_;
   // Hardware paths: the group's query blocks, the key and value blocks in pairs, one tile's p, the products.

@@ -45,10 +45,13 @@ struct SoftmaxRow {
 
   // Folds a segment of final scores (hidden keys -inf) into the row on the kernels of `isa`: x becomes
   // exp(x - new reference), and the return value is the factor by which the row's output accumulator must
-  // be scaled first (1: unchanged).
-  Scalar fold(Isa isa, Scalar* x, Eigen::Index n) noexcept {
+  // be scaled first (1: unchanged). lazy = false keeps the reference at the largest score folded (no lag):
+  // for exponentials that are rounded to bfloat16 next (Compute::kBf16), where the largest one is then
+  // exactly 1 and loses nothing, as in FlashAttention 2 and PyTorch's CPU kernel, instead of up to e^kLag
+  // rounded to 8 bits.
+  Scalar fold(Isa isa, Scalar* x, Eigen::Index n, bool lazy = true) noexcept {
     Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
-    if (max > -kInf && max < kInf) {
+    if (lazy && max > -kInf && max < kInf) {
       // A finite reference: the lazy pass, up to the first scores above it by more than kLag.
       Eigen::Index done = n;
       const Scalar lazy_sum = simd::exp_shifted_sum_below(isa, x, n, max, max + kLag, &done);

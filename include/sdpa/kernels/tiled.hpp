@@ -248,7 +248,7 @@ class TiledForward {
         SoftmaxRow<Scalar>& row = rows_[static_cast<std::size_t>(t.r0 + i)];
         if (!t.segments[i].none()) row.seen = true;
         // Rows that see nothing here have only -inf scores: fold zeroes them and changes nothing.
-        const Scalar alpha = row.fold(p.isa, t.row(i), nj);
+        const Scalar alpha = row.fold(p.isa, t.row(i), nj, /*lazy=*/p.compute == Compute::kFloat);
         if (alpha != Scalar(1)) {
           Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(o + (t.r0 + i) * p.d_v, p.d_v) *= alpha;
         }

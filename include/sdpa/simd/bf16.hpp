@@ -174,6 +174,36 @@ inline void pack_pairs(const float* src, Index ld, Index k_rows, Index n_cols, c
   }
 }
 
+// s[i * lds + j] = alpha * c[i * ldc + j] for i < rows, j < cols: a score tile out of the products' scratch.
+inline void scale_rows(const float* c, Index ldc, Index rows, Index cols, float alpha, float* s, Index lds) noexcept {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (Index i = 0; i < rows; ++i) {
+    const float* in = c + i * ldc;
+    float* out = s + i * lds;
+    Index j = 0;
+    for (; j + 16 <= cols; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(in + j), a));
+    if (j < cols) {
+      const __mmask16 m = lanes(0, cols - j);
+      _mm512_mask_storeu_ps(out + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, in + j), a));
+    }
+  }
+}
+
+// o[i * ldo + d] += c[i * ldc + d] for i < rows, d < cols: an output tile's products into the accumulators.
+inline void add_rows(const float* c, Index ldc, Index rows, Index cols, float* o, Index ldo) noexcept {
+  for (Index i = 0; i < rows; ++i) {
+    const float* in = c + i * ldc;
+    float* out = o + i * ldo;
+    Index d = 0;
+    for (; d + 16 <= cols; d += 16)
+      _mm512_storeu_ps(out + d, _mm512_add_ps(_mm512_loadu_ps(out + d), _mm512_loadu_ps(in + d)));
+    if (d < cols) {
+      const __mmask16 m = lanes(0, cols - d);
+      _mm512_mask_storeu_ps(out + d, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + d), _mm512_maskz_loadu_ps(m, in + d)));
+    }
+  }
+}
+
 // C = A B (bf16::Product) with vdpbf16ps: 8 rows x 2 panels of accumulators, A's pairs broadcast.
 template <int Panels>
 SDPA_ALWAYS_INLINE void product_block(const bf16::Product& x, Index i, Index n) noexcept {
@@ -281,6 +311,48 @@ inline void product(const bf16::Product& x) noexcept {
 }  // namespace amx
 SDPA_NAMESPACE_END
 
+#include "sdpa/simd/target_end.hpp"
+
+// The emulated path's rounding (kernels/bf16_products.hpp): out[i] = x[i] rounded to bfloat16 and widened
+// back, as sdpa::to_bfloat16 rounds (to nearest, ties to even; a NaN quiet with its sign), 16 or 8 at a time.
+#include "sdpa/simd/target_avx512_begin.hpp"
+SDPA_NAMESPACE_BEGIN
+namespace avx512 {
+inline void round_to_bf16(const float* x, Eigen::Index n, float* out) noexcept {
+  const __m512i low = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i quiet = _mm512_set1_epi32(0x00400000), abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+  for (Eigen::Index i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << static_cast<unsigned>(n - i)) - 1u);
+    const __m512i u = _mm512_maskz_loadu_epi32(m, x + i);
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(low, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+    const __m512i r = _mm512_mask_or_epi32(rounded, nan, u, quiet);
+    _mm512_mask_storeu_epi32(out + i, m, _mm512_and_si512(r, top));
+  }
+}
+}  // namespace avx512
+SDPA_NAMESPACE_END
+#include "sdpa/simd/target_end.hpp"
+
+#include "sdpa/simd/target_avx2_begin.hpp"
+SDPA_NAMESPACE_BEGIN
+namespace avx2 {
+inline void round_to_bf16(const float* x, Eigen::Index n, float* out) noexcept {
+  const __m256i low = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i quiet = _mm256_set1_epi32(0x00400000), abs = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+  Eigen::Index i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(low, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    // A NaN (|u| > inf as signed integers: both are non-negative) takes u with the quiet bit instead.
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, quiet), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_and_si256(r, top));
+  }
+  for (; i < n; ++i) out[i] = bfloat16_to_float(to_bfloat16(x[i]).bits);
+}
+}  // namespace avx2
+SDPA_NAMESPACE_END
 #include "sdpa/simd/target_end.hpp"
 
 #endif  // SDPA_DISPATCH
