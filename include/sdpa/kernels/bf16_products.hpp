@@ -20,6 +20,7 @@
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <vector>
 
@@ -49,7 +50,9 @@ class Bf16TileProducts {
   using Index = Eigen::Index;
 
   Bf16TileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v, Isa isa, Bf16Path path)
-      : d_k_(d_k), d_v_(d_v), isa_(isa), path_(path) {
+      : d_k_(d_k), d_v_(d_v), block_q_(block_q), isa_(isa),
+        // Never above what this CPU and OS run (asking for the tile state on the way), whatever the problem says.
+        path_(std::min(path, isa == Isa::kAvx512 ? best_bf16_path() : Bf16Path::kEmulated)) {
     const std::size_t g = static_cast<std::size_t>(group);
     q_ready_.assign(g, false);
     if (path_ == Bf16Path::kEmulated) {
@@ -86,7 +89,8 @@ class Bf16TileProducts {
     k_ready_ = v_ready_ = false;
   }
 
-  // TileProducts::scores' contract, on bfloat16 operands.
+  // TileProducts::scores' contract, on bfloat16 operands; but the hardware paths may also write the entries
+  // of s around the rectangle that share its 16 x 16 tiles (s has block_q rows of lds >= block_k entries).
   void scores(Index slot, const float* q, Index ldq, Index rows, Index i0, Index ni, Index j0, Index nj, float alpha,
               float* s, Index lds) {
     const std::size_t sl = static_cast<std::size_t>(slot);
@@ -109,9 +113,15 @@ class Bf16TileProducts {
       avx512_bf16::pack_transposed_pairs(k_, ldk_, cols_, d_k_, keys());
       k_ready_ = true;
     }
+    // A power of two alpha (d_k = 16, 64, 256, ...) rides on the queries: bf16(alpha q) = alpha bf16(q)
+    // exactly (but below 2^-126, where the hardware reads bfloat16 as zero anyway), and the products then
+    // need no pass of their own.
+    int exponent = 0;
+    const bool folded = std::frexp(alpha, &exponent) == 0.5f;
     BFloat16* qp = q_packed_[sl].data();
     if (!q_ready_[sl]) {
-      avx512_bf16::pack_rows(bf16::Rect{q, ldq, 0, rows, 0, d_k_}, bf16::Block{qp, dk_pad_, bf16::round_up(rows, 16), dk_pad_});
+      avx512_bf16::pack_rows(bf16::Rect{q, ldq, 0, rows, 0, d_k_}, bf16::Block{qp, dk_pad_, bf16::round_up(rows, 16), dk_pad_},
+                             folded ? alpha : 1.0f);
       q_ready_[sl] = true;
     }
     const Index m_lo = i0 / 16, m_hi = (i0 + ni + 15) / 16, n_lo = j0 / 16, n_hi = (j0 + nj + 15) / 16;
@@ -123,11 +133,20 @@ class Bf16TileProducts {
     x.m_tiles = m_hi - m_lo;
     x.n_panels = n_hi - n_lo;
     x.steps = dk_pad_ / bf16::kStep;
+    if (m_hi * 16 <= block_q_ && n_hi * 16 <= lds) {
+      // The whole tiles fit in s (block_q rows of lds): written there, the entries around the rectangle
+      // inside its tiles included.
+      x.c = s + m_lo * 16 * lds + n_lo * 16;
+      x.ldc = lds;
+      multiply(x);
+      if (!folded) avx512_bf16::scale_rows(s + i0 * lds + j0, lds, ni, nj, alpha, s + i0 * lds + j0, lds);
+      return;
+    }
     x.c = c_.data();
     x.ldc = (n_hi - n_lo) * 16;
     multiply(x);
-    avx512_bf16::scale_rows(c_.data() + (i0 - m_lo * 16) * x.ldc + (j0 - n_lo * 16), x.ldc, ni, nj, alpha, s + i0 * lds + j0,
-                            lds);
+    avx512_bf16::scale_rows(c_.data() + (i0 - m_lo * 16) * x.ldc + (j0 - n_lo * 16), x.ldc, ni, nj, folded ? 1.0f : alpha,
+                            s + i0 * lds + j0, lds);
 #else
     (void)q, (void)ldq, (void)rows, (void)i0, (void)ni, (void)j0, (void)nj, (void)alpha, (void)s, (void)lds;
 #endif
@@ -204,7 +223,7 @@ class Bf16TileProducts {
   }
 #endif
 
-  const Index d_k_, d_v_;
+  const Index d_k_, d_v_, block_q_;
   const Isa isa_;
   const Bf16Path path_;
   Index dk_pad_ = 0, dv_pad_ = 0, rows_pad_ = 0, keys_pad_ = 0;

@@ -87,9 +87,12 @@ SDPA_ALWAYS_INLINE __mmask16 lanes(Index from, Index to) noexcept {  // lanes [f
   return static_cast<__mmask16>(((1u << static_cast<unsigned>(b - a)) - 1u) << static_cast<unsigned>(a));
 }
 
-// dst = the rectangle of src rounded to bfloat16, zero elsewhere (bf16::Rect).
-inline void pack_rows(const bf16::Rect& src, const bf16::Block& dst) noexcept {
+// dst = the rectangle of src times `scale`, rounded to bfloat16, zero elsewhere (bf16::Rect).
+inline void pack_rows(const bf16::Rect& src, const bf16::Block& dst, float scale = 1.0f) noexcept {
   const __m512i zero = _mm512_setzero_si512();
+  const __m512 f = _mm512_set1_ps(scale);
+  // Whole 32-column chunks inside the rectangle's columns take plain loads.
+  const Index full_lo = (src.c0 + 31) / 32 * 32, full_hi = src.c1 / 32 * 32;
   for (Index r = 0; r < dst.rows; ++r) {
     BFloat16* out = dst.data + r * dst.ld;
     if (r < src.r0 || r >= src.r1) {
@@ -98,8 +101,19 @@ inline void pack_rows(const bf16::Rect& src, const bf16::Block& dst) noexcept {
     }
     const float* in = src.src + r * src.ld;
     for (Index c = 0; c < dst.cols; c += 32) {
-      const __mmask16 m0 = lanes(src.c0 - c, src.c1 - c), m1 = lanes(src.c0 - c - 16, src.c1 - c - 16);
-      const __m512 lo = _mm512_maskz_loadu_ps(m0, in + c), hi = _mm512_maskz_loadu_ps(m1, in + c + 16);
+      __m512 lo, hi;
+      if (c >= full_lo && c + 32 <= full_hi) {
+        lo = _mm512_loadu_ps(in + c);
+        hi = _mm512_loadu_ps(in + c + 16);
+      } else {
+        const __mmask16 m0 = lanes(src.c0 - c, src.c1 - c), m1 = lanes(src.c0 - c - 16, src.c1 - c - 16);
+        lo = _mm512_maskz_loadu_ps(m0, in + c);
+        hi = _mm512_maskz_loadu_ps(m1, in + c + 16);
+      }
+      if (scale != 1.0f) {
+        lo = _mm512_mul_ps(lo, f);
+        hi = _mm512_mul_ps(hi, f);
+      }
       _mm512_storeu_si512(out + c, to_bf16(lo, hi));
     }
   }
