@@ -11,9 +11,12 @@
 //   - the error against float64 is no larger than PyTorch's own bf16 SDPA's on the same inputs
 //     (tests/fixtures/bf16_accuracy.txt, scripts/make_bf16_fixtures.py), at n = 1024 and 4096, d 64 and
 //     128, causal and not, random and peaked, over 512 rows of each;
+//   - the projections (project_rows_bf16) multiply rounded x and weights (float, bfloat16, float16), with
+//     the same bits on 1 and 2 threads;
 //   - the refusals (double, the reference kernel, a forward that keeps a backward state, unknown paths).
 #include "sdpa/attention.hpp"
 #include "sdpa/compute.hpp"
+#include "sdpa/kernels/bf16_projection.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
 
 #include <gtest/gtest.h>
@@ -384,6 +387,83 @@ TEST(ComputeBf16, ModuleForwardRunsTheCoreInBf16) {
     }
     EXPECT_LE(e, 0.02 * scale);
     EXPECT_GT(moved, out.size() / 2);  // the setting reached the core
+  });
+}
+
+// project_rows_bf16: y = sum of bf16(x) bf16(w) products (exact in float) + b, summed in float: within float
+// rounding of a float64 sum over the rounded operands, for float, bfloat16 and float16 weights, rows and
+// outputs that are not whole tiles, several targets in one pass, side by side in one buffer; the same bits
+// on 1 and 2 threads.
+TEST(ComputeBf16, ProjectionsMultiplyRoundedOperands) {
+  const Index rows = 77, in = 200;
+  const std::vector<Index> outs = {48, 37, 64};
+  const std::vector<sdpa::Storage> storages = {sdpa::Storage::kFloat32, sdpa::Storage::kBFloat16, sdpa::Storage::kFloat16};
+  sdpa_test::Rng rng(19);
+  std::vector<float> x(static_cast<std::size_t>(rows * (in + 3)));
+  for (float& v : x) v = static_cast<float>(rng.normal());
+  std::vector<std::vector<float>> w(3), bias(3);
+  std::vector<std::vector<std::uint16_t>> narrow(3);
+  Index width = 0;
+  for (std::size_t t = 0; t < 3; ++t) {
+    width += outs[t];
+    w[t].resize(static_cast<std::size_t>(outs[t] * in));
+    for (float& v : w[t]) v = static_cast<float>(rng.normal(0.1));
+    bias[t].resize(static_cast<std::size_t>(outs[t]));
+    for (float& v : bias[t]) v = static_cast<float>(rng.normal());
+    narrow[t].resize(w[t].size());
+    for (std::size_t i = 0; i < w[t].size(); ++i) {
+      if (storages[t] == sdpa::Storage::kBFloat16) narrow[t][i] = sdpa::to_bfloat16(w[t][i]).bits;
+      if (storages[t] == sdpa::Storage::kFloat16) narrow[t][i] = sdpa::to_float16(w[t][i]).bits;
+    }
+  }
+  // The weights as the layers hold them, then rounded to bfloat16 as the products read them.
+  const auto held = [&](std::size_t t, std::size_t i) {
+    if (storages[t] == sdpa::Storage::kBFloat16) return sdpa::bfloat16_to_float(narrow[t][i]);
+    if (storages[t] == sdpa::Storage::kFloat16) return sdpa::half_to_float(narrow[t][i]);
+    return w[t][i];
+  };
+  std::vector<double> ref(static_cast<std::size_t>(rows * width)), magnitude(ref.size());
+  for (Index r = 0; r < rows; ++r) {
+    Index c0 = 0;
+    for (std::size_t t = 0; t < 3; ++t) {
+      for (Index o = 0; o < outs[t]; ++o) {
+        double acc = bias[t][static_cast<std::size_t>(o)], mag = std::abs(acc);
+        for (Index i = 0; i < in; ++i) {
+          const double prod = static_cast<double>(bf16(x[static_cast<std::size_t>(r * (in + 3) + i)])) *
+                              bf16(held(t, static_cast<std::size_t>(o * in + i)));
+          acc += prod;
+          mag += std::abs(prod);
+        }
+        ref[static_cast<std::size_t>(r * width + c0 + o)] = acc;
+        magnitude[static_cast<std::size_t>(r * width + c0 + o)] = mag;
+      }
+      c0 += outs[t];
+    }
+  }
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice two(&pool, 2);
+  for_each_path([&] {
+    std::vector<float> y1(ref.size(), -1.0f), y2(ref.size(), -2.0f);
+    for (std::vector<float>* y : {&y1, &y2}) {
+      std::vector<sdpa::kernels::ProjectionTarget<float>> targets;
+      Index c0 = 0;
+      for (std::size_t t = 0; t < 3; ++t) {
+        sdpa::kernels::ProjectionTarget<float> tg{storages[t] == sdpa::Storage::kFloat32 ? w[t].data() : nullptr,
+                                                  bias[t].data(), outs[t], y->data() + c0, width};
+        tg.weight_storage = storages[t];
+        tg.weight_stored = storages[t] == sdpa::Storage::kFloat32 ? nullptr : narrow[t].data();
+        targets.push_back(tg);
+        c0 += outs[t];
+      }
+      sdpa::kernels::project_rows_bf16(x.data(), rows, in, in + 3, targets.data(), targets.size(),
+                                       y == &y1 ? nullptr : &two, sdpa::active_bf16_path());
+    }
+    double worst = 0;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      ASSERT_EQ(y1[i], y2[i]) << i;
+      worst = std::max(worst, std::abs(y1[i] - ref[i]) / magnitude[i]);
+    }
+    EXPECT_LT(worst, 1e-6);
   });
 }
 

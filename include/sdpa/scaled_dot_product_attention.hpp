@@ -26,6 +26,7 @@
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/backward.hpp"
+#include "sdpa/kernels/bf16_projection.hpp"
 #include "sdpa/kernels/decode.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/projection.hpp"
@@ -328,9 +329,10 @@ class ScaledDotProductAttention {
   void set_kernel(Kernel kernel) noexcept { kernel_ = kernel; }
   Kernel kernel() const noexcept { return kernel_; }
 
-  // The type forward's attention products run in (sdpa/compute.hpp): kFloat, or kBf16 (float modules only,
-  // with the kAuto or kTiled kernel; a forward that keeps what backward needs refuses it). The projections
-  // and the cached decoding steps stay in float.
+  // The type forward's products run in (sdpa/compute.hpp): kFloat, or kBf16 (float modules only, with the
+  // kAuto or kTiled kernel; a forward that keeps what backward needs refuses it): the four projections and
+  // the attention core multiply bfloat16-rounded operands with float sums. The cached decoding steps stay
+  // in float.
   void set_compute(Compute compute) {
     detail::check_compute<Scalar>("ScaledDotProductAttention::set_compute", compute, kernel_, /*keeps_state=*/false);
     compute_ = compute;
@@ -522,6 +524,18 @@ class ScaledDotProductAttention {
 
   // Keys a query can see per batch entry (key_lengths, or nullptr for all): keys past a length are hidden
   // from every query, so they are not projected (their rows of the buffer are zeroed instead).
+  // One pass of the forward's projections over rows of d_model_ inputs, in the module's compute type.
+  void project_pass(const Scalar* x, Index rows, const std::vector<kernels::ProjectionTarget<Scalar>>& targets,
+                    const Eigen::ThreadPoolDevice* device) const {
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (compute_ == Compute::kBf16) {
+        kernels::project_rows_bf16(x, rows, d_model_, d_model_, targets.data(), targets.size(), device, active_bf16_path());
+        return;
+      }
+    }
+    kernels::project_rows<Scalar>(x, rows, d_model_, targets, device);
+  }
+
   Projected project(const View& qv, const View& kv, const View& vv, const Eigen::ThreadPoolDevice* device,
                     const Index* key_lengths) const {
     using Target = kernels::ProjectionTarget<Scalar>;
@@ -535,7 +549,7 @@ class ScaledDotProductAttention {
     auto pass = [&](const Scalar* x, Index r0, Index r1, std::vector<Target> targets) {
       if (r1 <= r0) return;
       for (Target& t : targets) t.y += r0 * t.ldy;
-      kernels::project_rows<Scalar>(x + r0 * d_model_, r1 - r0, d_model_, targets, device);
+      project_pass(x + r0 * d_model_, r1 - r0, targets, device);
     };
     // The key rows of each batch entry: [b * nk, b * nk + length) projected by `layers` into columns
     // [c0, c0 + their widths) of the buffer (stride ld), the rest of those columns zeroed. With lengths
@@ -567,7 +581,7 @@ class ScaledDotProductAttention {
           targets.push_back(target(*l, projected + c, width));
           c += l->out_features();
         }
-        if (visible > 0) kernels::project_rows<Scalar>(gathered, visible, d_model_, targets, device);
+        if (visible > 0) project_pass(gathered, visible, targets, device);
         for (Index b = 0, at = 0; b < batch; at += key_lengths[b], ++b)
           for (Index r = 0; r < key_lengths[b]; ++r)
             std::copy_n(projected + (at + r) * width, width, buffer + (b * nk + r) * ld + c0);
@@ -703,7 +717,14 @@ class ScaledDotProductAttention {
     else
       detail::run_attention(p, kernel_, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), device);
 
-    fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
+    if (compute_ == Compute::kBf16) {
+      if constexpr (std::is_same<Scalar, float>::value) {
+        const kernels::ProjectionTarget<Scalar> out = fc_o_.target(result.data(), d_model_);
+        kernels::project_rows_bf16(att.data(), batch * nq, hv, hv, &out, 1, device, active_bf16_path());
+      }
+    } else {
+      fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
+    }
     if (capture != nullptr) {
       capture->qkv_ = std::move(proj.qkv);
       capture->kv_ = std::move(proj.kv_only);

@@ -48,8 +48,10 @@ struct Panels {
 };
 
 // C[16 * m_tiles][16 * n_panels] (ldc floats) = A (lda values per row, from a) times the B panels from b
-// (panel_stride values from one panel to the next), over `steps` * kStep of depth. C is overwritten.
+// (panel_stride values from one panel to the next), over `steps` * kStep of depth, plus bias[n] in every
+// row when bias is set (16 * n_panels floats; the sums start from it). C is overwritten.
 struct Product {
+  const float* bias = nullptr;
   const BFloat16* a = nullptr;
   Index lda = 0;
   const BFloat16* b = nullptr;
@@ -225,7 +227,7 @@ SDPA_ALWAYS_INLINE void product_block(const bf16::Product& x, Index i, Index n) 
 #pragma GCC unroll 8
   for (int r = 0; r < 8; ++r)
 #pragma GCC unroll 2
-    for (int c = 0; c < Panels; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < Panels; ++c) acc[r][c] = x.bias != nullptr ? _mm512_loadu_ps(x.bias + (n + c) * 16) : _mm512_setzero_ps();
   const BFloat16* a = x.a + i * x.lda;
   const BFloat16* b = x.b + n * x.panel_stride;
   const Index pairs = x.steps * bf16::kStep / 2;
@@ -278,10 +280,18 @@ struct alignas(64) TileConfig {
 // Tiles 0-3: C (rows x panels: 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1)); 4-5: A; 6-7: B.
 template <int Rows, int Cols>
 SDPA_ALWAYS_INLINE void product_block(const bf16::Product& x, Index i, Index n) noexcept {
-  _tile_zero(0);
-  if (Cols == 2) _tile_zero(1);
-  if (Rows == 2) _tile_zero(2);
-  if (Rows == 2 && Cols == 2) _tile_zero(3);
+  if (x.bias != nullptr) {  // every row of a C tile the same 16 floats: a load with stride 0
+    const float* bias = x.bias + n * 16;
+    _tile_loadd(0, bias, 0);
+    if (Cols == 2) _tile_loadd(1, bias + 16, 0);
+    if (Rows == 2) _tile_loadd(2, bias, 0);
+    if (Rows == 2 && Cols == 2) _tile_loadd(3, bias + 16, 0);
+  } else {
+    _tile_zero(0);
+    if (Cols == 2) _tile_zero(1);
+    if (Rows == 2) _tile_zero(2);
+    if (Rows == 2 && Cols == 2) _tile_zero(3);
+  }
   const long lda = static_cast<long>(x.lda * 2);
   const BFloat16* a = x.a + i * 16 * x.lda;
   const BFloat16* b = x.b + n * x.panel_stride;
