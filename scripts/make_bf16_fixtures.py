@@ -14,6 +14,10 @@ those bfloat16 values; PyTorch's bf16 call gets them as bfloat16 tensors and ret
 The errors are taken over the rows i with i % stride == stride - 1, stride = n / 512 (the last row among
 them), so that the test's float64 reference needs 512 rows only. Each line: name n d causal peaked seed
 max_abs_error rms_error (PyTorch's bf16 output on those rows against the reference).
+
+tests/fixtures/bf16_gradients.txt: the same for the gradients of the n = 1024 cases, with dO made as tensor 3
+(not scaled): PyTorch's bf16 autograd against float64 autograd, over the same rows (of q for dq, of k and v
+for dk and dv). Each line: name n d causal peaked seed, then max and rms error of dq, dk and dv.
 """
 
 import os
@@ -71,6 +75,25 @@ def main():
         print(lines[-1], flush=True)
     with open(out_path, "w") as f:
         f.write("\n".join(lines) + "\n")
+    grad_lines = [f"# written by scripts/make_bf16_fixtures.py with torch {torch.__version__}",
+                  "# name n d causal peaked seed dq_max dq_rms dk_max dk_rms dv_max dv_rms (torch bf16 vs float64)"]
+    for name, n, d, causal, peaked, seed in cases():
+        if n != 1024:
+            continue
+        q, k, v, do = (tensor(seed, t, n, d, peaked) for t in range(4))
+        ref = [t.double().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*ref, is_causal=causal).backward(do.double())
+        low = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*low, is_causal=causal).backward(do)
+        stride = n // 512
+        errors = []
+        for r, b in zip(ref, low):
+            err = (b.grad.double() - r.grad)[:, :, stride - 1::stride, :].abs()
+            errors += [f"{err.max().item():.9e}", f"{err.pow(2).mean().sqrt().item():.9e}"]
+        grad_lines.append(f"{name} {n} {d} {int(causal)} {int(peaked)} {seed} " + " ".join(errors))
+        print(grad_lines[-1], flush=True)
+    with open(out_path.replace("bf16_accuracy", "bf16_gradients"), "w") as f:
+        f.write("\n".join(grad_lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@
 //     128, causal and not, random and peaked, over 512 rows of each;
 //   - the projections (project_rows_bf16) multiply rounded x and weights (float, bfloat16, float16), with
 //     the same bits on 1 and 2 threads;
-//   - the refusals (double, the reference kernel, a forward that keeps a backward state, unknown paths).
+//   - gradients (sdpa::attention_backward after a kBf16 forward: q, k, v, dO, P and dS rounded, sums in float)
+//     no further from float64 than PyTorch's bf16 autograd, n = 1024 (tests/fixtures/bf16_gradients.txt);
+//   - the refusals (double, the reference kernel, a module forward that keeps a backward state, unknown
+//     paths).
 #include "sdpa/attention.hpp"
 #include "sdpa/compute.hpp"
 #include "sdpa/kernels/bf16_projection.hpp"
@@ -321,6 +324,29 @@ TEST(ComputeBf16, HiddenNonFiniteValuesAddNothing) {
   });
 }
 
+// Forward and backward give the same bits on 1 and 2 threads (the work is split by rows, never by a sum).
+TEST(ComputeBf16, SameBitsOnOneAndTwoThreads) {
+  T4 q(2, 4, 150, 64), k(2, 2, 190, 64), v(2, 2, 190, 48), d_out(2, 4, 150, 48);
+  sdpa_test::Rng rng(23);
+  for (T4* t : {&q, &k, &v, &d_out}) fill(*t, rng);
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice two(&pool, 2);
+  sdpa::AttentionOptions<float> o;
+  o.compute = sdpa::Compute::kBf16;
+  o.causal = true;
+  for_each_path([&] {
+    sdpa::AttentionState<float> s1, s2;
+    o.device = nullptr;
+    const T4 out1 = sdpa::attention(q, k, v, o, s1);
+    o.device = &two;
+    const T4 out2 = sdpa::attention(q, k, v, o, s2);
+    const sdpa::AttentionGradients<float> g1 = sdpa::attention_backward(d_out, s1), g2 = sdpa::attention_backward(d_out, s2);
+    for (const auto& [a, b] : {std::make_pair(&out1, &out2), std::make_pair(&g1.q, &g2.q), std::make_pair(&g1.k, &g2.k),
+                               std::make_pair(&g1.v, &g2.v)})
+      for (Index i = 0; i < a->size(); ++i) ASSERT_EQ(a->data()[i], b->data()[i]) << i;
+  });
+}
+
 TEST(ComputeBf16, RefusesWhatItDoesNotRun) {
   using T4d = Eigen::Tensor<double, 4, Eigen::RowMajor>;
   T4d qd(1, 1, 4, 8), kd(1, 1, 4, 8), vd(1, 1, 4, 8);
@@ -339,9 +365,6 @@ TEST(ComputeBf16, RefusesWhatItDoesNotRun) {
   o.kernel = sdpa::Kernel::kReference;
   expect_invalid([&] { sdpa::attention(q, k, v, o); }, {"compute", "Kernel::kReference", "kBf16"});
   o.kernel = sdpa::Kernel::kAuto;
-  sdpa::AttentionState<float> state;
-  expect_invalid([&] { sdpa::attention(q, k, v, o, state); }, {"compute", "backward", "kBf16"});
-  EXPECT_TRUE(state.empty());
 
   sdpa::ScaledDotProductAttention<double> md(16, 8, 8, 2);
   expect_invalid([&] { md.set_compute(sdpa::Compute::kBf16); }, {"set_compute", "kFloat for double"});
@@ -360,7 +383,7 @@ TEST(ComputeBf16, RefusesWhatItDoesNotRun) {
   expect_invalid([&] { m.forward(x, x, x); }, {"forward", "Kernel::kReference"});
   m.set_kernel(sdpa::Kernel::kAuto);
   sdpa::ForwardState<float> fs;
-  expect_invalid([&] { m.forward(x, x, x, sdpa::AttentionOptions<float>{}, fs); }, {"forward", "backward", "kBf16"});
+  expect_invalid([&] { m.forward(x, x, x, sdpa::AttentionOptions<float>{}, fs); }, {"forward", "module", "backward", "kBf16"});
 }
 
 // The module's forward with set_compute(kBf16): its attention core's error, carried through fc_o, stays
@@ -567,6 +590,99 @@ TEST_P(Bf16Accuracy, NoFurtherFromFloat64ThanPyTorchsBf16) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, Bf16Accuracy, ::testing::ValuesIn(accuracy_cases()),
                          [](const ::testing::TestParamInfo<AccuracyCase>& info) { return info.param.name; });
 
-TEST(Bf16AccuracyFixtures, AreAllThere) { EXPECT_EQ(accuracy_cases().size(), 16u); }
+// ---- Gradients against PyTorch's bf16 autograd (tests/fixtures/bf16_gradients.txt, n = 1024) ----
+
+struct GradientCase {
+  AccuracyCase c;
+  double torch[6] = {};  // max and rms error of dq, dk, dv
+};
+
+std::vector<GradientCase> gradient_cases() {
+  std::ifstream in(std::string(SDPA_FIXTURE_DIR) + "/bf16_gradients.txt");
+  std::vector<GradientCase> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream s(line);
+    GradientCase g;
+    int causal = 0, peaked = 0;
+    s >> g.c.name >> g.c.n >> g.c.d >> causal >> peaked >> g.c.seed;
+    for (double& e : g.torch) s >> e;
+    g.c.causal = causal != 0;
+    g.c.peaked = peaked != 0;
+    if (s) out.push_back(g);
+  }
+  return out;
+}
+
+// Float64 gradients of one head's attention (q, k, v: (n, d)) for dO: dq, dk, dv, each (n, d) row-major.
+std::vector<std::vector<double>> reference_gradients(const T4& q, const T4& k, const T4& v, const T4& d_out, bool causal) {
+  using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using MapF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  const Index n = q.dimension(2), d = q.dimension(3);
+  const Mat Q = MapF(q.data(), n, d).cast<double>(), K = MapF(k.data(), n, d).cast<double>(),
+            V = MapF(v.data(), n, d).cast<double>(), dO = MapF(d_out.data(), n, d).cast<double>();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  Mat P = (Q * K.transpose()) * scale;
+  for (Index i = 0; i < n; ++i) {
+    const Index seen = causal ? i + 1 : n;
+    const double m = P.row(i).head(seen).maxCoeff();
+    P.row(i).head(seen) = (P.row(i).head(seen).array() - m).exp().matrix();
+    P.row(i).tail(n - seen).setZero();
+    P.row(i) /= P.row(i).sum();
+  }
+  const Mat O = P * V;
+  const Mat dP = dO * V.transpose();
+  const Eigen::VectorXd D = (dO.array() * O.array()).rowwise().sum();
+  const Mat dS = (P.array() * (dP.colwise() - D).array()).matrix() * scale;
+  const Mat dQ = dS * K, dK = dS.transpose() * Q, dV = P.transpose() * dO;
+  std::vector<std::vector<double>> out;
+  for (const Mat* g : {&dQ, &dK, &dV}) out.emplace_back(g->data(), g->data() + g->size());
+  return out;
+}
+
+class Bf16Gradients : public ::testing::TestWithParam<GradientCase> {};
+
+TEST_P(Bf16Gradients, NoFurtherFromFloat64ThanPyTorchsBf16) {
+  const AccuracyCase& c = GetParam().c;
+  const T4 q = fixture_tensor(c.seed, 0, c.n, c.d, c.peaked), k = fixture_tensor(c.seed, 1, c.n, c.d, c.peaked),
+           v = fixture_tensor(c.seed, 2, c.n, c.d, c.peaked), d_out = fixture_tensor(c.seed, 3, c.n, c.d, false);
+  const std::vector<std::vector<double>> ref = reference_gradients(q, k, v, d_out, c.causal);
+  const Index stride = c.n / 512;
+  sdpa::AttentionOptions<float> o;
+  o.causal = c.causal;
+  o.compute = sdpa::Compute::kBf16;
+  for_each_path([&] {
+    sdpa::AttentionState<float> state;
+    sdpa::attention(q, k, v, o, state);
+    const sdpa::AttentionGradients<float> g = sdpa::attention_backward(d_out, state);
+    const T4* grads[3] = {&g.q, &g.k, &g.v};
+    const char* names[3] = {"dq", "dk", "dv"};
+    for (int t = 0; t < 3; ++t) {
+      double worst = 0, sq = 0;
+      Index count = 0;
+      for (Index r = stride - 1; r < c.n; r += stride)
+        for (Index x = 0; x < c.d; ++x, ++count) {
+          const double e = std::abs((*grads[t])(0, 0, r, x) - ref[static_cast<std::size_t>(t)][static_cast<std::size_t>(r * c.d + x)]);
+          worst = std::max(worst, e);
+          sq += e * e;
+        }
+      const double rms = std::sqrt(sq / static_cast<double>(count));
+      const double* torch = GetParam().torch + 2 * t;
+      std::cout << "[ gradients ] " << c.name << " " << sdpa::bf16_compute_path() << " " << names[t] << ": max " << worst
+                << " (torch " << torch[0] << "), rms " << rms << " (torch " << torch[1] << ")\n";
+      EXPECT_LE(worst, torch[0]) << names[t];
+      EXPECT_LE(rms, torch[1]) << names[t];
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Bf16Gradients, ::testing::ValuesIn(gradient_cases()),
+                         [](const ::testing::TestParamInfo<GradientCase>& info) { return info.param.c.name; });
+
+TEST(Bf16AccuracyFixtures, AreAllThere) {
+  EXPECT_EQ(accuracy_cases().size(), 16u);
+  EXPECT_EQ(gradient_cases().size(), 8u);
+}
 
 }  // namespace compute_test

@@ -98,7 +98,8 @@ void check_compute(const char* where, Compute compute, Kernel kernel, bool keeps
                   compute_name(compute));
   if (keeps_state)
     throw_invalid(where, "compute",
-                  "Compute::kFloat for a forward that keeps a state for the backward (kBf16 has no backward yet)",
+                  "Compute::kFloat for a module forward that keeps a state for backward (the module has no kBf16 "
+                  "backward yet; sdpa::attention has)",
                   compute_name(compute));
 }
 
@@ -545,7 +546,7 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
   c.d_k = qd[3];
   c.d_v = vd[3];
   check_attention_options(c, options, /*module_call=*/false);
-  check_compute<Scalar>(where, options.compute, options.kernel, /*keeps_state=*/state != nullptr);
+  check_compute<Scalar>(where, options.compute, options.kernel, /*keeps_state=*/false);
 
   // Checked: from here on nothing throws but an allocation failure.
   const std::array<Index, 4> out_dims =
@@ -674,9 +675,29 @@ AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, cons
 
   kernels::AttentionProblem<Scalar> p = detail::problem_of(checked, o, o.masked_rows, o.causal, c.nk - c.nq);
   p.probabilities = nullptr;
-  p.q = detail::heads_of(s.q_.data(), s.q_.dimensions(), layout);
-  p.k = detail::heads_of(s.k_.data(), s.k_.dimensions(), layout);
-  p.v = detail::heads_of(s.v_.data(), s.v_.dimensions(), layout);
+  // kBf16: the products read q, k, v and dO rounded to bfloat16 (and the kernel rounds P and dS per tile),
+  // summed in float: the forward's scores again, and bfloat16 operands for the four gradient products.
+  Tensor4<Scalar> q_bf16, k_bf16, v_bf16, d_out_bf16;
+  const Scalar* qd = s.q_.data();
+  const Scalar* kd = s.k_.data();
+  const Scalar* vd = s.v_.data();
+  if (o.compute == Compute::kBf16) {
+    const auto rounded = [](const Scalar* x, const std::array<Index, 4>& dims, Tensor4<Scalar>& into) {
+      into = Tensor4<Scalar>(dims);
+      if constexpr (std::is_same<Scalar, float>::value)
+        kernels::round_to_bf16(active_isa(), x, into.size(), into.data());
+      else
+        std::copy_n(x, into.size(), into.data());  // not reached: kBf16 is refused for double
+      return into.data();
+    };
+    qd = rounded(qd, s.q_.dimensions(), q_bf16);
+    kd = rounded(kd, s.k_.dimensions(), k_bf16);
+    vd = rounded(vd, s.v_.dimensions(), v_bf16);
+    grad_data = rounded(grad_data, grad_dims, d_out_bf16);
+  }
+  p.q = detail::heads_of(qd, s.q_.dimensions(), layout);
+  p.k = detail::heads_of(kd, s.k_.dimensions(), layout);
+  p.v = detail::heads_of(vd, s.v_.dimensions(), layout);
   p.out = detail::heads_of(const_cast<Scalar*>(s.out_.data()), s.out_.dimensions(), layout);
   p.lse = const_cast<Scalar*>(s.lse_.data());
   p.dropout = s.dropout_;

@@ -21,8 +21,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "sdpa/kernels/bf16_products.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/projection.hpp"
 #include "sdpa/kernels/reference.hpp"
@@ -327,6 +329,15 @@ class TiledBackward {
       Row(dr, nj) *= p.scale;
     }
 
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (p.compute == Compute::kBf16) {
+        // The operands of the three products below rounded to bfloat16: P (after dropout) and dS (scaled).
+        for (Index i = t.i0; i < t.i1; ++i) {
+          round_to_bf16(p.isa, t.row(i), nj, t.row(i));
+          round_to_bf16(p.isa, ds + (i - t.i0) * ldd_, nj, ds + (i - t.i0) * ldd_);
+        }
+      }
+    }
     // With p = 1 every probability is dropped and dv gets nothing.
     if (!(p.dropout && p.keep_scale == Scalar(0)))
       detail::gemm_tn_add(nj, p.d_v, ni, t.row(t.i0), t.lds, dout, bp_.d_out.row_stride,

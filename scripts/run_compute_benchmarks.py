@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Runs bench/compute_bench (Compute::kBf16 against kFloat on every bfloat16 path this CPU runs, beside the
+float FMA and bfloat16 peaks) and, with --venv, PyTorch's float32 and bfloat16 SDPA and demo module from pip
+(bench/peers/compute_peer.py) in the same run, and writes bench/results/compute.md: the machine, its CPU
+flags, the date, the command, min and median per case and the ratios issue 49 asks for.
+
+    python3 scripts/run_compute_benchmarks.py --build --venv /tmp/venv [--repetitions 5]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATHS = ["float", "emulated", "avx512_bf16", "amx"]
+FLAGS = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
+         "amx_int8"]
+
+
+def cpu():
+    model, flags = platform.processor(), set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and model in ("", "x86_64"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    return model, [f for f in FLAGS if f in flags]
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", action="store_true", help="configure and build build-bench first")
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
+    ap.add_argument("--venv", help="a virtual environment with torch (pip): PyTorch's cases in the same run")
+    ap.add_argument("--repetitions", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "compute.md"))
+    args = ap.parse_args()
+    command = "python3 scripts/run_compute_benchmarks.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.build:
+        benchlib.build_benchmarks(ROOT, args.build_dir, ["compute_bench"])
+    exe = os.path.join(args.build_dir, "bench", "compute_bench")
+    runs, _ = benchlib.bench(exe, ".", args.repetitions, os.path.join(args.build_dir, "compute_bench.json"))
+    ours = {name: (min(t), statistics.median(t)) for name, t in benchlib.times(runs).items()}
+    peaks = {}
+    for name, records in runs.items():
+        if name.startswith("peak/"):
+            key = "GFLOPs" if "GFLOPs" in records[0] else "FLOPS"
+            scale = 1.0 if key == "GFLOPs" else 1e-9
+            peaks[name] = max(r[key] for r in records) * scale
+    torch = {}
+    torch_version = None
+    if args.venv:
+        py = os.path.join(args.venv, "bin", "python")
+        out = subprocess.run([py, os.path.join(ROOT, "bench", "peers", "compute_peer.py"), "--repetitions",
+                              str(2 * args.repetitions)], check=True, capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            r = json.loads(line)
+            torch[r["name"]] = (r["min_ms"], r["median_ms"])
+            torch_version = r["torch"]
+
+    model, flags = cpu()
+    lines = ["# Compute::kBf16 against kFloat and PyTorch (bench/compute_bench.cpp, bench/peers/compute_peer.py)", "",
+             "Written by scripts/run_compute_benchmarks.py; do not edit by hand.", "",
+             f"- machine: {model}, {os.cpu_count()} cores; flags: {' '.join(flags)}",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+             f"- command: `{command}` ({args.repetitions} repetitions of each sdpa case, min / median ms)",
+             f"- PyTorch: {torch_version or 'not run (no --venv)'} from pip, torch.set_num_threads as the case says", "",
+             "## Peaks (1 thread, GFLOP/s)", "", "| instruction | GFLOP/s |", "|---|---:|"]
+    for name in sorted(peaks):
+        lines.append(f"| {name[len('peak/'):]} | {peaks[name]:.0f} |")
+    amx_peak = peaks.get("peak/bf16/amx")
+
+    def flops_attention(causal):
+        return 4.0 * 8 * 4096 * 4096 * 64 * (0.5 if causal else 1.0)
+
+    demo_flops = 2.0 * 50 * 49 * 512 * (4 * 8 * 64) + 4.0 * 50 * 8 * 49 * 49 * 64
+    for title, cases in (("Attention, (1, 8, 4096, 64), sdpa::attention", [(c, t) for c in (0, 1) for t in (1, 2)]),
+                         ("The demo module, (50, 49, 512), h 8, d_k 64, eval", [(None, t) for t in (1, 2)])):
+        lines += ["", f"## {title}", "",
+                  "| case | kFloat | kBf16 emulated | kBf16 avx512_bf16 | kBf16 amx | PyTorch f32 | PyTorch bf16 | "
+                  "best kBf16 / kFloat | best kBf16 / PyTorch bf16 | best kBf16 GFLOP/s (% AMX peak) |",
+                  "|---|---|---|---|---|---|---|---:|---:|---:|"]
+        for causal, threads in cases:
+            if causal is None:
+                ours_name = lambda p: f"demo/compute:{p}/threads:{threads}"
+                torch_name = lambda d: f"demo/dtype:{d}/threads:{threads}"
+                label, flops = f"demo, {threads} thread(s)", demo_flops
+            else:
+                ours_name = lambda p: f"attention/N:4096/causal:{causal}/compute:{p}/threads:{threads}"
+                torch_name = lambda d: f"attention/N:4096/causal:{causal}/dtype:{d}/threads:{threads}"
+                label, flops = f"{'causal' if causal else 'full'}, {threads} thread(s)", flops_attention(causal)
+            cells = []
+            for p in PATHS:
+                t = ours.get(ours_name(p))
+                cells.append("-" if t is None else f"{t[0]:.2f} / {t[1]:.2f}")
+            for d in ("f32", "bf16"):
+                t = torch.get(torch_name(d))
+                cells.append("-" if t is None else f"{t[0]:.2f} / {t[1]:.2f}")
+            bf16 = [ours[ours_name(p)][0] for p in PATHS[1:] if ours_name(p) in ours]
+            best = min(bf16) if bf16 else None
+            base = ours.get(ours_name("float"), (None,))[0]
+            peer = torch.get(torch_name("bf16"), (None,))[0]
+            speed = f"{base / best:.2f}x" if best and base else "-"
+            vs_torch = f"{peer / best:.2f}x" if best and peer else "-"
+            gflops = flops / (best * 1e-3) / 1e9 if best else None
+            of_peak = f" ({100 * gflops / (amx_peak * threads):.0f}%)" if gflops and amx_peak else ""
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {speed} | {vs_torch} | {fmt(gflops)}{of_peak} |")
+    lines += ["", "Ratios use the minima; \"best kBf16\" is the fastest bfloat16 path of the run (the one "
+              "sdpa chooses by default on this CPU is the highest it runs: amx, then avx512_bf16)."]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
