@@ -216,7 +216,8 @@ class TiledBackward {
         lse_(static_cast<std::size_t>(span_)),
         seen_(static_cast<std::size_t>(span_)),
         bits_(p_.dropout ? static_cast<std::size_t>(c.block_k + 8) : 0),
-        sink_partial_(sink_partial) {}
+        sink_partial_(sink_partial),
+        transposed_(p_.compute == Compute::kBf16 ? p_.bf16_path : Bf16Path::kEmulated) {}
 
   // Pair (b, h); the first query head of a key/value head's group starts that group's dk and dv rows.
   void run(Index b, Index h) {
@@ -338,10 +339,19 @@ class TiledBackward {
         }
       }
     }
+    // The two products that read a tile transposed: on bfloat16 instructions under kBf16 where the CPU has
+    // them (they round what they pack, already rounded above).
+    const auto tn_add = [&](Index m, Index n, Index k, const Scalar* a, Index lda, const Scalar* bm, Index ldb, Scalar* c,
+                            Index ldc) {
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (p.compute == Compute::kBf16 && transposed_.hardware()) return transposed_.tn_add(m, n, k, a, lda, bm, ldb, c, ldc);
+      }
+      detail::gemm_tn_add(m, n, k, a, lda, bm, ldb, c, ldc);
+    };
     // With p = 1 every probability is dropped and dv gets nothing.
     if (!(p.dropout && p.keep_scale == Scalar(0)))
-      detail::gemm_tn_add(nj, p.d_v, ni, t.row(t.i0), t.lds, dout, bp_.d_out.row_stride,
-                          bp_.d_v.row(b, h / p.kv_group, first_key), bp_.d_v.row_stride);
+      tn_add(nj, p.d_v, ni, t.row(t.i0), t.lds, dout, bp_.d_out.row_stride, bp_.d_v.row(b, h / p.kv_group, first_key),
+             bp_.d_v.row_stride);
     Scalar* dq = aligned(dq_buf_) + (t.r0 + t.i0) * p.d_k;
     if (t.any_hidden && !keys_finite(k, nj)) {
       // A hidden key passes no gradient, not even a NaN or infinity in its k row, which the product would
@@ -356,8 +366,7 @@ class TiledBackward {
     } else {
       gemm_nn_add(p.isa, ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
     }
-    detail::gemm_tn_add(nj, p.d_k, ni, ds, ldd_, q, p.q.row_stride, bp_.d_k.row(b, h / p.kv_group, first_key),
-                        bp_.d_k.row_stride);
+    tn_add(nj, p.d_k, ni, ds, ldd_, q, p.q.row_stride, bp_.d_k.row(b, h / p.kv_group, first_key), bp_.d_k.row_stride);
   }
 
   // dS = 0 at the keys the row does not see (seg relative to the rectangle's first key), whatever dP held
@@ -410,6 +419,7 @@ class TiledBackward {
   bool nan_values_ = false;             // a row of the current pair had a NaN softmax
   Scalar* sink_partial_;                // per (batch, head), or null
   Scalar sink_sum_ = Scalar(0);         // the current pair's
+  Bf16TransposedProduct transposed_;    // kBf16 on a hardware path: P^T dO and dS^T Q
 };
 
 // The attention core's backward, tiled (see the header comment). Zero fields of `config` are derived from

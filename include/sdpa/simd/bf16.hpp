@@ -72,6 +72,8 @@ struct Product {
 #include <cstdint>
 #include <cstring>
 
+#include "sdpa/simd/avx512.hpp"
+
 #include "sdpa/simd/target_avx512_bf16_begin.hpp"
 
 SDPA_NAMESPACE_BEGIN
@@ -139,37 +141,10 @@ inline void pack_transposed_pairs(const float* src, Index ld, Index n_rows, Inde
         }
       }
       // w[j] lane p: key n0 + j, pair k0 / 2 + p. Transposed: register p holds pair k0 / 2 + p of the 16 keys.
-      __m512 t[16], u[16];
-      constexpr __mmask16 kAll = 0xFFFF;
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_maskz_unpacklo_ps(kAll, w[i], w[i + 1]);
-        t[i + 1] = _mm512_maskz_unpackhi_ps(kAll, w[i], w[i + 1]);
-      }
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; i += 4) {
-        u[i] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], 0xEE);
-      }
+      avx512::Vec<float>::transpose(w);
       BFloat16* out = dst.data + ((n0 / 16) * dst.pairs + k0 / 2) * 32;
-      const Index pairs_here = dst.pairs - k0 / 2 < 16 ? dst.pairs - k0 / 2 : 16;
-#pragma GCC unroll 4
-      for (int x = 0; x < 4; ++x) {
-        const __m512 a = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0x88),
-                     b = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0x88);
-        const __m512 c = _mm512_maskz_shuffle_f32x4(kAll, u[x], u[x + 4], 0xDD),
-                     d = _mm512_maskz_shuffle_f32x4(kAll, u[x + 8], u[x + 12], 0xDD);
-        const __m512 rows[4] = {_mm512_maskz_shuffle_f32x4(kAll, a, b, 0x88), _mm512_maskz_shuffle_f32x4(kAll, c, d, 0x88),
-                                _mm512_maskz_shuffle_f32x4(kAll, a, b, 0xDD), _mm512_maskz_shuffle_f32x4(kAll, c, d, 0xDD)};
-        // rows[0..3] are the transposed registers x, x + 4, x + 8, x + 12.
-#pragma GCC unroll 4
-        for (int y = 0; y < 4; ++y) {
-          const Index p = x + 4 * y;
-          if (p < pairs_here) _mm512_storeu_ps(reinterpret_cast<float*>(out + p * 32), rows[y]);
-        }
-      }
+      for (Index p = 0; p < 16 && p < dst.pairs - k0 / 2; ++p)
+        _mm512_storeu_ps(reinterpret_cast<float*>(out + p * 32), w[p]);
     }
   }
 }
@@ -186,6 +161,24 @@ inline void pack_pairs(const float* src, Index ld, Index k_rows, Index n_cols, c
       const __m512 even = k < k_rows ? _mm512_maskz_loadu_ps(m, src + k * ld + n * 16) : _mm512_setzero_ps();
       const __m512 odd = k + 1 < k_rows ? _mm512_maskz_loadu_ps(m, src + (k + 1) * ld + n * 16) : _mm512_setzero_ps();
       _mm512_storeu_si512(dst.data + (n * dst.pairs + p) * 32, _mm512_permutexvar_epi16(interleave, to_bf16(even, odd)));
+    }
+  }
+}
+
+// dst[j * ld + i] = src[i * lds + j] rounded to bfloat16 for i < n_rows, j < n_cols, zero elsewhere in its
+// rows x cols (multiples of 16): a tile read transposed as the A of a product (the backward's P^T and dS^T).
+inline void pack_transposed_rows(const float* src, Index lds, Index n_rows, Index n_cols, const bf16::Block& dst) noexcept {
+  for (Index j0 = 0; j0 < dst.rows; j0 += 16) {
+    const __mmask16 m = lanes(0, n_cols - j0);
+    for (Index i0 = 0; i0 < dst.cols; i0 += 16) {
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        r[i] = i0 + i < n_rows && m != 0 ? _mm512_maskz_loadu_ps(m, src + (i0 + i) * lds + j0) : _mm512_setzero_ps();
+      avx512::Vec<float>::transpose(r);  // r[j] lane i: src row i0 + i, column j0 + j
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst.data + (j0 + j) * dst.ld + i0), (__m256i)_mm512_cvtneps_pbh(r[j]));
     }
   }
 }
