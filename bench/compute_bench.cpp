@@ -5,9 +5,10 @@
 //   peak/bf16/avx512_bf16          independent vdpbf16ps chains (64 FLOP per instruction)
 //   peak/bf16/amx                  tdpbf16ps on four resident C tiles (16 x 16 x 32 x 2 FLOP each)
 //   attention/N:4096/causal:C/compute:P/threads:T   sdpa::attention on (1, 8, 4096, 64) tensors
+//   backward/N:4096/compute:P/threads:T   sdpa::attention_backward of the (1, 8, 4096, 64) forward
 //   demo/compute:P/threads:T       the module's eval forward on the (50, 49, 512) demo, h 8, d_k 64
 // P is float (kFloat) or the kBf16 path (emulated, avx512_bf16, amx); FLOPS counts 4 h N^2 d for the
-// attention (half of it when causal) and the demo's projections plus its core.
+// attention (half of it when causal), 10 h N^2 d for the backward and the demo's projections plus its core.
 #include <benchmark/benchmark.h>
 
 #include <sdpa/sdpa.hpp>
@@ -117,6 +118,30 @@ void attention_case(benchmark::State& state, const std::string& path, bool causa
   state.counters["FLOPS"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+void backward_case(benchmark::State& state, const std::string& path, int threads) {
+  constexpr Index kHeads = 8, kN = 4096, kD = 64;
+  sdpa::AttentionOptions<float> o;
+  if (!choose(path, o.compute)) {
+    state.SkipWithError("this CPU does not run the path");
+    return;
+  }
+  T4 q(1, kHeads, kN, kD), k(1, kHeads, kN, kD), v(1, kHeads, kN, kD), d_out(1, kHeads, kN, kD);
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (T4* t : {&q, &k, &v, &d_out})
+    for (Index i = 0; i < t->size(); ++i) t->data()[i] = u(gen);
+  o.device = sdpa_bench::device_for(threads);
+  sdpa::AttentionState<float> saved;
+  sdpa::attention(q, k, v, o, saved);
+  for (auto _ : state) {
+    sdpa::AttentionGradients<float> g = sdpa::attention_backward(d_out, saved);
+    benchmark::DoNotOptimize(g.q.data());
+  }
+  // The backward's products: the scores again, dP, dV, dQ, dK (5 of 2 h N^2 d each).
+  const double flops = 10.0 * kHeads * static_cast<double>(kN) * kN * kD;
+  state.counters["FLOPS"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void demo_case(benchmark::State& state, const std::string& path, int threads) {
   constexpr Index kBatch = 50, kN = 49, kModel = 512, kHeads = 8, kD = 64;
   sdpa::Compute compute;
@@ -165,6 +190,10 @@ int main(int argc, char** argv) {
           attention_case(s, path, causal, threads);
         })->UseRealTime()->Unit(benchmark::kMillisecond);
       }
+      const std::string backward = "backward/N:4096/compute:" + path + "/threads:" + std::to_string(threads);
+      benchmark::RegisterBenchmark(backward.c_str(), [path, threads](benchmark::State& s) {
+        backward_case(s, path, threads);
+      })->UseRealTime()->Unit(benchmark::kMillisecond);
       const std::string name = "demo/compute:" + path + "/threads:" + std::to_string(threads);
       benchmark::RegisterBenchmark(name.c_str(), [path, threads](benchmark::State& s) { demo_case(s, path, threads); })
           ->UseRealTime()

@@ -69,7 +69,8 @@ def main():
                               str(2 * args.repetitions)], check=True, capture_output=True, text=True).stdout
         for line in out.splitlines():
             r = json.loads(line)
-            torch[r["name"]] = (r["min_ms"], r["median_ms"])
+            if "min_ms" in r:
+                torch[r["name"]] = (r["min_ms"], r["median_ms"])
             torch_version = r["torch"]
 
     model, flags = cpu()
@@ -89,13 +90,19 @@ def main():
 
     demo_flops = 2.0 * 50 * 49 * 512 * (4 * 8 * 64) + 4.0 * 50 * 8 * 49 * 49 * 64
     for title, cases in (("Attention, (1, 8, 4096, 64), sdpa::attention", [(c, t) for c in (0, 1) for t in (1, 2)]),
+                         ("Backward, (1, 8, 4096, 64), sdpa::attention_backward (PyTorch: forward + backward)",
+                          [("backward", t) for t in (1, 2)]),
                          ("The demo module, (50, 49, 512), h 8, d_k 64, eval", [(None, t) for t in (1, 2)])):
         lines += ["", f"## {title}", "",
                   "| case | kFloat | kBf16 emulated | kBf16 avx512_bf16 | kBf16 amx | PyTorch f32 | PyTorch bf16 | "
                   "best kBf16 / kFloat | best kBf16 / PyTorch bf16 | best kBf16 GFLOP/s (% AMX peak) |",
                   "|---|---|---|---|---|---|---|---:|---:|---:|"]
         for causal, threads in cases:
-            if causal is None:
+            if causal == "backward":
+                ours_name = lambda p: f"backward/N:4096/compute:{p}/threads:{threads}"
+                torch_name = lambda d: f"backward/N:4096/dtype:{d}/threads:{threads}"
+                label, flops = f"backward, {threads} thread(s)", 10.0 * 8 * 4096 * 4096 * 64
+            elif causal is None:
                 ours_name = lambda p: f"demo/compute:{p}/threads:{threads}"
                 torch_name = lambda d: f"demo/dtype:{d}/threads:{threads}"
                 label, flops = f"demo, {threads} thread(s)", demo_flops

@@ -347,6 +347,56 @@ TEST(ComputeBf16, SameBitsOnOneAndTwoThreads) {
   });
 }
 
+// The backward with the options that reach its tiles (GQA, key lengths, a window, bias with its gradient,
+// sinks, dropout replayed) follows the float backward to bfloat16's rounding, and a key row of inf past a
+// key length changes nothing (its gradient products are taken over rounded operands too).
+TEST(ComputeBf16, GradientsWithOptionsFollowTheFloatOnes) {
+  T4 q(2, 4, 70, 64), k(2, 2, 140, 64), v(2, 2, 140, 32), d_out(2, 4, 70, 32), bias(2, 4, 70, 140);
+  sdpa_test::Rng rng(29);
+  for (T4* t : {&q, &k, &v, &d_out, &bias}) fill(*t, rng);
+  sdpa::AttentionOptions<float> o;
+  o.key_lengths = {140, 111};
+  o.causal = true;
+  o.window_left = 90;
+  o.attention_bias = &bias;
+  o.sinks = {0.1f, -0.2f, 0.3f, 0.0f};
+  o.dropout = 0.2f;
+  o.dropout_seed = 7;
+  sdpa::AttentionState<float> sf;
+  sdpa::attention(q, k, v, o, sf);
+  const sdpa::AttentionGradients<float> gf = sdpa::attention_backward(d_out, sf);
+  T4 k_poisoned = k;
+  for (Index h = 0; h < 2; ++h)
+    for (Index j = 111; j < 140; ++j)
+      for (Index x = 0; x < 64; ++x) k_poisoned(1, h, j, x) = std::numeric_limits<float>::infinity();
+  o.compute = sdpa::Compute::kBf16;
+  for_each_path([&] {
+    sdpa::AttentionState<float> s, sp;
+    sdpa::attention(q, k, v, o, s);
+    sdpa::attention(q, k_poisoned, v, o, sp);
+    const sdpa::AttentionGradients<float> g = sdpa::attention_backward(d_out, s), gp = sdpa::attention_backward(d_out, sp);
+    const auto close = [](const T4& a, const T4& b, const char* name) {
+      double e = 0, m = 0;
+      for (Index i = 0; i < a.size(); ++i) {
+        e = std::max(e, std::abs(static_cast<double>(a.data()[i]) - b.data()[i]));
+        m = std::max(m, std::abs(static_cast<double>(b.data()[i])));
+      }
+      EXPECT_LE(e, 0.02 * m) << name;
+      EXPECT_GT(e, 0.0) << name;  // rounded operands move the gradients
+    };
+    close(g.q, gf.q, "dq");
+    close(g.k, gf.k, "dk");
+    close(g.v, gf.v, "dv");
+    close(g.attention_bias, gf.attention_bias, "dbias");
+    ASSERT_EQ(g.sinks.size(), gf.sinks.size());
+    // A sink's gradient is a sum over the rows of terms of either sign (-p_sink D): within the rounding of
+    // its terms, not of its small total.
+    for (std::size_t i = 0; i < g.sinks.size(); ++i) EXPECT_NEAR(g.sinks[i], gf.sinks[i], 2e-3);
+    for (const auto& [a, b] : {std::make_pair(&g.q, &gp.q), std::make_pair(&g.v, &gp.v)})
+      for (Index i = 0; i < a->size(); ++i) ASSERT_EQ(a->data()[i], b->data()[i]) << i;
+  });
+}
+
 TEST(ComputeBf16, RefusesWhatItDoesNotRun) {
   using T4d = Eigen::Tensor<double, 4, Eigen::RowMajor>;
   T4d qd(1, 1, 4, 8), kd(1, 1, 4, 8), vd(1, 1, 4, 8);

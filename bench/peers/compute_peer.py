@@ -2,7 +2,8 @@
 """PyTorch's side of bench/compute_bench.cpp: F.scaled_dot_product_attention on (1, 8, 4096, 64) tensors,
 causal and not, in float32 and bfloat16, and the demo module written as PyTorch would run it in bfloat16
 (nn.Linear q/k/v/o with bfloat16 weights and inputs, heads split, SDPA, merged) and in float32, on the
-(50, 49, 512) demo, h 8, d_k 64. Eval, no grad, torch.set_num_threads(T). One JSON line per case:
+(50, 49, 512) demo, h 8, d_k 64, and autograd's backward of the SDPA (its forward included: PyTorch keeps
+no state to start from). Eval, no grad, torch.set_num_threads(T). One JSON line per case:
     {"name": "attention/N:4096/causal:0/dtype:bf16/threads:1", "min_ms": ..., "median_ms": ..., "torch": "..."}
 
     python3 bench/peers/compute_peer.py [--threads 1 2] [--repetitions 10]
@@ -63,6 +64,21 @@ def main():
                                     args.repetitions)
                     print(json.dumps({"name": f"attention/N:4096/causal:{causal}/dtype:{dtype_name}/threads:{threads}",
                                       "min_ms": lo, "median_ms": med, "torch": torch.__version__}), flush=True)
+                q, k, v = (t.to(dtype).requires_grad_() for t in qkv)
+                d_out = torch.rand(1, 8, 4096, 64, generator=g).to(dtype)
+
+                def backward():
+                    with torch.enable_grad():
+                        out = F.scaled_dot_product_attention(q, k, v)
+                        torch.autograd.grad(out, (q, k, v), d_out)
+
+                try:
+                    lo, med = timed(backward, max(2, args.repetitions // 2))
+                    print(json.dumps({"name": f"backward/N:4096/dtype:{dtype_name}/threads:{threads}", "min_ms": lo,
+                                      "median_ms": med, "torch": torch.__version__}), flush=True)
+                except RuntimeError as e:  # a build without a CPU backward for this dtype
+                    print(json.dumps({"name": f"backward/N:4096/dtype:{dtype_name}/threads:{threads}",
+                                      "error": str(e)[:200], "torch": torch.__version__}), flush=True)
                 m = Module().eval().to(dtype)
                 xd = x.to(dtype)
                 lo, med = timed(lambda: m(xd), args.repetitions * 5)

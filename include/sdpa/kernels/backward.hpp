@@ -217,7 +217,7 @@ class TiledBackward {
         seen_(static_cast<std::size_t>(span_)),
         bits_(p_.dropout ? static_cast<std::size_t>(c.block_k + 8) : 0),
         sink_partial_(sink_partial),
-        transposed_(p_.compute == Compute::kBf16 ? p_.bf16_path : Bf16Path::kEmulated) {}
+        bf16_(p_.compute == Compute::kBf16 ? p_.bf16_path : Bf16Path::kEmulated) {}
 
   // Pair (b, h); the first query head of a key/value head's group starts that group's dk and dv rows.
   void run(Index b, Index h) {
@@ -275,10 +275,18 @@ class TiledBackward {
     Scalar* ds = aligned(ds_buf_);
     Scalar* u = u_buf_.empty() ? nullptr : aligned(u_buf_);
 
+    // kBf16 where the CPU has bfloat16 instructions: dP, dq, dv and dk on them (their operands rounded).
+    bool on_bf16 = false;
+    if constexpr (std::is_same<Scalar, float>::value) on_bf16 = p.compute == Compute::kBf16 && bf16_.hardware();
     // dP = dO v^T, then dS in place; u = scale * q k^T, the score before the weights and the softcap, for
     // their gradients.
-    gemm_nt(p.isa, ni, nj, p.d_v, Scalar(1), dout, bp_.d_out.row_stride, p.value_row(b, h, first_key), p.v.row_stride,
-            ds, ldd_);
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (on_bf16)
+        bf16_.nt(ni, nj, p.d_v, 1.0f, dout, bp_.d_out.row_stride, p.value_row(b, h, first_key), p.v.row_stride, ds, ldd_);
+    }
+    if (!on_bf16)
+      gemm_nt(p.isa, ni, nj, p.d_v, Scalar(1), dout, bp_.d_out.row_stride, p.value_row(b, h, first_key), p.v.row_stride,
+              ds, ldd_);
     if (u != nullptr) gemm_nt(p.isa, ni, nj, p.d_k, p.scale, q, p.q.row_stride, k, p.k.row_stride, u, ldd_);
     for (Index i = t.i0; i < t.i1; ++i) {
       const Index r = t.r0 + i, query = t.q0 + r;
@@ -339,12 +347,12 @@ class TiledBackward {
         }
       }
     }
-    // The two products that read a tile transposed: on bfloat16 instructions under kBf16 where the CPU has
-    // them (they round what they pack, already rounded above).
+    // The two products that read a tile transposed (on bf16_ as above; it rounds what it packs, rounded
+    // already).
     const auto tn_add = [&](Index m, Index n, Index k, const Scalar* a, Index lda, const Scalar* bm, Index ldb, Scalar* c,
                             Index ldc) {
       if constexpr (std::is_same<Scalar, float>::value) {
-        if (p.compute == Compute::kBf16 && transposed_.hardware()) return transposed_.tn_add(m, n, k, a, lda, bm, ldb, c, ldc);
+        if (on_bf16) return bf16_.tn_add(m, n, k, a, lda, bm, ldb, c, ldc);
       }
       detail::gemm_tn_add(m, n, k, a, lda, bm, ldb, c, ldc);
     };
@@ -363,6 +371,8 @@ class TiledBackward {
           const Scalar* kj = p.key_row(b, h, t.k0 + j);
           for (Index d = 0; d < p.d_k; ++d) dq[(i - t.i0) * p.d_k + d] += g * kj[d];
         }
+    } else if (on_bf16) {
+      if constexpr (std::is_same<Scalar, float>::value) bf16_.nn_add(ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
     } else {
       gemm_nn_add(p.isa, ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
     }
@@ -419,7 +429,7 @@ class TiledBackward {
   bool nan_values_ = false;             // a row of the current pair had a NaN softmax
   Scalar* sink_partial_;                // per (batch, head), or null
   Scalar sink_sum_ = Scalar(0);         // the current pair's
-  Bf16TransposedProduct transposed_;    // kBf16 on a hardware path: P^T dO and dS^T Q
+  Bf16Gemm bf16_;                       // kBf16 on a hardware path: the gradient products
 };
 
 // The attention core's backward, tiled (see the header comment). Zero fields of `config` are derived from

@@ -243,53 +243,99 @@ class Bf16TileProducts {
   bool k_ready_ = false, v_ready_ = false;
 };
 
-// c[m, n] (ldc) += a[k, m]^T (lda) b[k, n] (ldb) with a and b rounded to bfloat16 and float sums, on a
-// hardware path: the backward's P^T dO and dS^T Q under kBf16 (a tile read transposed). Scratch grows to the
-// largest call and is kept.
-class Bf16TransposedProduct {
+// The backward's tile products under kBf16 on a hardware path, each packing its two operands as bfloat16
+// (rounded) and summing in float: nt (dP = dO v^T), nn_add (dq += dS k) and tn_add (dv += P^T dO, dk += dS^T
+// q: a tile read transposed). Scratch grows to the largest call and is kept.
+class Bf16Gemm {
  public:
   using Index = Eigen::Index;
 
-  explicit Bf16TransposedProduct(Bf16Path path) noexcept
+  explicit Bf16Gemm(Bf16Path path) noexcept
       : path_(std::min(path, active_isa() == Isa::kAvx512 ? best_bf16_path() : Bf16Path::kEmulated)) {}
 
-  // Whether tn_add runs bfloat16 instructions here (else the caller's float products over rounded operands).
+  // Whether the products run bfloat16 instructions here (else the caller's float products over rounded operands).
   bool hardware() const noexcept { return path_ != Bf16Path::kEmulated; }
 
+  // c[m, n] (ldc) = alpha * a[m, k] (lda) b[n, k]^T (ldb).
+  void nt(Index m, Index n, Index k, float alpha, const float* a, Index lda, const float* b, Index ldb, float* c, Index ldc) {
+#if SDPA_DISPATCH
+    if (m <= 0 || n <= 0) return;
+    const Shape x = shape(m, n, k);
+    avx512_bf16::pack_rows(bf16::Rect{a, lda, 0, m, 0, k}, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
+    avx512_bf16::pack_transposed_pairs(b, ldb, n, k, bf16::Panels{b_.data(), x.k_pad / 2, x.n_pad / 16});
+    multiply(x);
+    avx512_bf16::scale_rows(c_.data(), x.n_pad, m, n, alpha, c, ldc);
+#else
+    (void)m, (void)n, (void)k, (void)alpha, (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)ldc;
+#endif
+  }
+
+  // c[m, n] (ldc) += a[m, k] (lda) b[k, n] (ldb).
+  void nn_add(Index m, Index n, Index k, const float* a, Index lda, const float* b, Index ldb, float* c, Index ldc) {
+#if SDPA_DISPATCH
+    if (m <= 0 || n <= 0 || k <= 0) return;
+    const Shape x = shape(m, n, k);
+    avx512_bf16::pack_rows(bf16::Rect{a, lda, 0, m, 0, k}, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
+    avx512_bf16::pack_pairs(b, ldb, k, n, bf16::Panels{b_.data(), x.k_pad / 2, x.n_pad / 16});
+    multiply(x);
+    avx512_bf16::add_rows(c_.data(), x.n_pad, m, n, c, ldc);
+#else
+    (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)ldc;
+#endif
+  }
+
+  // c[m, n] (ldc) += a[k, m]^T (lda) b[k, n] (ldb).
   void tn_add(Index m, Index n, Index k, const float* a, Index lda, const float* b, Index ldb, float* c, Index ldc) {
 #if SDPA_DISPATCH
     if (m <= 0 || n <= 0 || k <= 0) return;
-    const Index m_pad = bf16::round_up(m, 16), n_pad = bf16::round_up(n, 16), k_pad = bf16::round_up(k, bf16::kStep);
-    grow(a_, m_pad * k_pad);
-    grow(b_, n_pad * k_pad);
-    grow(c_, m_pad * n_pad);
-    avx512_bf16::pack_transposed_rows(a, lda, k, m, bf16::Block{a_.data(), k_pad, m_pad, k_pad});
-    avx512_bf16::pack_pairs(b, ldb, k, n, bf16::Panels{b_.data(), k_pad / 2, n_pad / 16});
-    bf16::Product x;
-    x.a = a_.data();
-    x.lda = k_pad;
-    x.b = b_.data();
-    x.panel_stride = (k_pad / 2) * 32;
-    x.m_tiles = m_pad / 16;
-    x.n_panels = n_pad / 16;
-    x.steps = k_pad / bf16::kStep;
-    x.c = c_.data();
-    x.ldc = n_pad;
-    if (path_ == Bf16Path::kAmx)
-      amx::product(x);
-    else
-      avx512_bf16::product(x);
-    avx512_bf16::add_rows(c_.data(), n_pad, m, n, c, ldc);
+    const Shape x = shape(m, n, k);
+    avx512_bf16::pack_transposed_rows(a, lda, k, m, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
+    avx512_bf16::pack_pairs(b, ldb, k, n, bf16::Panels{b_.data(), x.k_pad / 2, x.n_pad / 16});
+    multiply(x);
+    avx512_bf16::add_rows(c_.data(), x.n_pad, m, n, c, ldc);
 #else
     (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)ldc;
 #endif
   }
 
  private:
+  struct Shape {
+    Index m_pad, n_pad, k_pad;
+  };
+
   template <typename T>
   static void grow(std::vector<T>& v, Index n) {
     if (static_cast<Index>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
   }
+
+  // The padded sizes of a product, its scratch grown to them.
+  Shape shape(Index m, Index n, Index k) {
+    const Shape x{bf16::round_up(m, 16), bf16::round_up(n, 16), bf16::round_up(std::max<Index>(k, 1), bf16::kStep)};
+    grow(a_, x.m_pad * x.k_pad);
+    grow(b_, x.n_pad * x.k_pad);
+    grow(c_, x.m_pad * x.n_pad);
+    return x;
+  }
+
+#if SDPA_DISPATCH
+  // c_ (m_pad x n_pad) = a_ b_.
+  void multiply(const Shape& s) {
+    bf16::Product x;
+    x.a = a_.data();
+    x.lda = s.k_pad;
+    x.b = b_.data();
+    x.panel_stride = (s.k_pad / 2) * 32;
+    x.m_tiles = s.m_pad / 16;
+    x.n_panels = s.n_pad / 16;
+    x.steps = s.k_pad / bf16::kStep;
+    x.c = c_.data();
+    x.ldc = s.n_pad;
+    if (path_ == Bf16Path::kAmx)
+      amx::product(x);
+    else
+      avx512_bf16::product(x);
+  }
+#endif
 
   const Bf16Path path_;
   std::vector<BFloat16> a_, b_;
