@@ -19,7 +19,6 @@
 #include "sdpa/config.hpp"
 
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -112,26 +111,11 @@ inline Bf16Path best_bf16_path() noexcept {
 // The path kBf16 products take now: the chosen one (SDPA_BF16, set_bf16_compute_path; else the best),
 // emulated while the ISA path is below AVX-512.
 inline Bf16Path active_bf16_path() {
-  std::atomic<int>& slot = shared::bf16_path_slot();
-  int v = slot.load(std::memory_order_relaxed);
-  if (v < 0) {
-    if (v == -1) {
-      const char* env = std::getenv("SDPA_BF16");
-      int chosen = static_cast<int>(best_bf16_path());
-      if (env != nullptr && *env != '\0' && std::strcmp(env, "auto") != 0) {
-        chosen = detail::bf16_path_from_name(env);
-        if (chosen < 0 || chosen > static_cast<int>(best_bf16_path())) chosen = -2;
-      }
-      int expected = -1;
-      slot.compare_exchange_strong(expected, chosen, std::memory_order_relaxed);
-      v = slot.load(std::memory_order_relaxed);
-    }
-    if (v == -2) {
-      const char* env = std::getenv("SDPA_BF16");
-      detail::throw_bf16_path("bf16_compute_path", "the environment variable SDPA_BF16", env != nullptr ? env : "",
-                              best_bf16_path());
-    }
-  }
+  const int v = detail::resolve_choice(
+      shared::bf16_path_slot(), "SDPA_BF16", static_cast<int>(best_bf16_path()), detail::bf16_path_from_name,
+      [](const char* env) {
+        detail::throw_bf16_path("bf16_compute_path", "the environment variable SDPA_BF16", env, best_bf16_path());
+      });
   return active_isa() == Isa::kAvx512 ? static_cast<Bf16Path>(v) : Bf16Path::kEmulated;
 }
 

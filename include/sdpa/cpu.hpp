@@ -146,29 +146,40 @@ inline Isa best_isa() noexcept {
   return best;
 }
 
+namespace detail {
+// A process-wide choice kept in `slot` (-1: not resolved yet; -2: the environment names a refused value):
+// resolved at the first call from the environment variable `variable` ("auto" or unset: best), a name
+// from_name maps to a value in [0, best] (-1: none). refuse(name) throws for a refused one.
+template <typename FromName, typename Refuse>
+int resolve_choice(std::atomic<int>& slot, const char* variable, int best, FromName&& from_name, Refuse&& refuse) {
+  int v = slot.load(std::memory_order_relaxed);
+  if (v >= 0) return v;
+  if (v == -1) {
+    const char* env = std::getenv(variable);
+    int chosen = best;
+    if (env != nullptr && *env != '\0' && std::strcmp(env, "auto") != 0) {
+      chosen = from_name(env);
+      if (chosen < 0 || chosen > best) chosen = -2;
+    }
+    int expected = -1;
+    slot.compare_exchange_strong(expected, chosen, std::memory_order_relaxed);
+    v = slot.load(std::memory_order_relaxed);
+  }
+  if (v == -2) {
+    const char* env = std::getenv(variable);
+    refuse(env != nullptr ? env : "");
+  }
+  return v;
+}
+}  // namespace detail
+
 // The path the kernels use: the best one unless SDPA_ISA or set_cpu_isa chose a lower one. Throws
 // std::invalid_argument while SDPA_ISA holds a name that is not a path this CPU runs.
 inline Isa active_isa() {
-  std::atomic<int>& slot = shared::isa_slot();
-  int v = slot.load(std::memory_order_relaxed);
-  if (v < 0) {
-    if (v == -1) {
-      const char* env = std::getenv("SDPA_ISA");
-      int chosen = static_cast<int>(best_isa());
-      if (env != nullptr && *env != '\0' && std::strcmp(env, "auto") != 0) {
-        chosen = detail::isa_from_name(env);
-        if (chosen < 0 || chosen > static_cast<int>(best_isa())) chosen = -2;
-      }
-      int expected = -1;
-      slot.compare_exchange_strong(expected, chosen, std::memory_order_relaxed);
-      v = slot.load(std::memory_order_relaxed);
-    }
-    if (v == -2) {
-      const char* env = std::getenv("SDPA_ISA");
-      detail::throw_isa("cpu_isa", "the environment variable SDPA_ISA", env != nullptr ? env : "", best_isa());
-    }
-  }
-  return static_cast<Isa>(v);
+  return static_cast<Isa>(detail::resolve_choice(
+      shared::isa_slot(), "SDPA_ISA", static_cast<int>(best_isa()), detail::isa_from_name, [](const char* env) {
+        detail::throw_isa("cpu_isa", "the environment variable SDPA_ISA", env, best_isa());
+      }));
 }
 
 inline const char* cpu_isa() { return isa_name(active_isa()); }

@@ -349,12 +349,12 @@ class TiledBackward {
     }
     // The two products that read a tile transposed (on bf16_ as above; it rounds what it packs, rounded
     // already).
-    const auto tn_add = [&](Index m, Index n, Index k, const Scalar* a, Index lda, const Scalar* bm, Index ldb, Scalar* c,
-                            Index ldc) {
+    const auto tn_add = [&](Index rows, Index cols, Index depth, const Scalar* a, Index lda, const Scalar* bm, Index ldb,
+                            Scalar* c, Index ldc) {
       if constexpr (std::is_same<Scalar, float>::value) {
-        if (on_bf16) return bf16_.tn_add(m, n, k, a, lda, bm, ldb, c, ldc);
+        if (on_bf16) return bf16_.tn_add(rows, cols, depth, a, lda, bm, ldb, c, ldc);
       }
-      detail::gemm_tn_add(m, n, k, a, lda, bm, ldb, c, ldc);
+      detail::gemm_tn_add(rows, cols, depth, a, lda, bm, ldb, c, ldc);
     };
     // With p = 1 every probability is dropped and dv gets nothing.
     if (!(p.dropout && p.keep_scale == Scalar(0)))

@@ -273,12 +273,9 @@ class Bf16Gemm {
   // c[m, n] (ldc) += a[m, k] (lda) b[k, n] (ldb).
   void nn_add(Index m, Index n, Index k, const float* a, Index lda, const float* b, Index ldb, float* c, Index ldc) {
 #if SDPA_DISPATCH
-    if (m <= 0 || n <= 0 || k <= 0) return;
-    const Shape x = shape(m, n, k);
-    avx512_bf16::pack_rows(bf16::Rect{a, lda, 0, m, 0, k}, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
-    avx512_bf16::pack_pairs(b, ldb, k, n, bf16::Panels{b_.data(), x.k_pad / 2, x.n_pad / 16});
-    multiply(x);
-    avx512_bf16::add_rows(c_.data(), x.n_pad, m, n, c, ldc);
+    add(m, n, k, b, ldb, c, ldc, [&](const Shape& x) {
+      avx512_bf16::pack_rows(bf16::Rect{a, lda, 0, m, 0, k}, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
+    });
 #else
     (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)ldc;
 #endif
@@ -287,12 +284,9 @@ class Bf16Gemm {
   // c[m, n] (ldc) += a[k, m]^T (lda) b[k, n] (ldb).
   void tn_add(Index m, Index n, Index k, const float* a, Index lda, const float* b, Index ldb, float* c, Index ldc) {
 #if SDPA_DISPATCH
-    if (m <= 0 || n <= 0 || k <= 0) return;
-    const Shape x = shape(m, n, k);
-    avx512_bf16::pack_transposed_rows(a, lda, k, m, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
-    avx512_bf16::pack_pairs(b, ldb, k, n, bf16::Panels{b_.data(), x.k_pad / 2, x.n_pad / 16});
-    multiply(x);
-    avx512_bf16::add_rows(c_.data(), x.n_pad, m, n, c, ldc);
+    add(m, n, k, b, ldb, c, ldc, [&](const Shape& x) {
+      avx512_bf16::pack_transposed_rows(a, lda, k, m, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
+    });
 #else
     (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)ldc;
 #endif
@@ -318,6 +312,17 @@ class Bf16Gemm {
   }
 
 #if SDPA_DISPATCH
+  // c (ldc) += A b, A packed into a_ by pack_a(shape), b (k rows of n, ldb) packed in pairs here.
+  template <typename PackA>
+  void add(Index m, Index n, Index k, const float* b, Index ldb, float* c, Index ldc, PackA&& pack_a) {
+    if (m <= 0 || n <= 0 || k <= 0) return;
+    const Shape x = shape(m, n, k);
+    pack_a(x);
+    avx512_bf16::pack_pairs(b, ldb, k, n, bf16::Panels{b_.data(), x.k_pad / 2, x.n_pad / 16});
+    multiply(x);
+    avx512_bf16::add_rows(c_.data(), x.n_pad, m, n, c, ldc);
+  }
+
   // c_ (m_pad x n_pad) = a_ b_.
   void multiply(const Shape& s) {
     bf16::Product x;

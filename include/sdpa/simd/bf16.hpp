@@ -69,6 +69,7 @@ struct Product {
 
 #include "sdpa/detail/intrinsics.hpp"
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -216,7 +217,8 @@ inline void add_rows(const float* c, Index ldc, Index rows, Index cols, float* o
 // C = A B (bf16::Product) with vdpbf16ps: 8 rows x 2 panels of accumulators, A's pairs broadcast.
 template <int Panels>
 SDPA_ALWAYS_INLINE void product_block(const bf16::Product& x, Index i, Index n) noexcept {
-  __m512 acc[8][Panels];
+  constexpr std::size_t kPanels = static_cast<std::size_t>(Panels);
+  __m512 acc[8][kPanels];
 #pragma GCC unroll 8
   for (int r = 0; r < 8; ++r)
 #pragma GCC unroll 2
@@ -225,7 +227,7 @@ SDPA_ALWAYS_INLINE void product_block(const bf16::Product& x, Index i, Index n) 
   const BFloat16* b = x.b + n * x.panel_stride;
   const Index pairs = x.steps * bf16::kStep / 2;
   for (Index p = 0; p < pairs; ++p) {
-    __m512bh bv[Panels];
+    __m512bh bv[kPanels];
 #pragma GCC unroll 2
     for (int c = 0; c < Panels; ++c) bv[c] = (__m512bh)_mm512_loadu_si512(b + c * x.panel_stride + p * 32);
 #pragma GCC unroll 8
