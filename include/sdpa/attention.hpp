@@ -84,10 +84,8 @@ void check_packed(const CallShape& c, const AttentionOptions<Scalar>& o) {
     throw_invalid(where, unpacked, "unset with packed sequences (cu_seqlens: it has no packed form)", "set");
 }
 
-// Every option against the call's shape, before any work: std::invalid_argument naming the function, the
-// field, what it must be and what it is. A module call (module_call) refuses the fields that belong to
-// sdpa::attention alone.
-// Compute::kBf16 where it runs: float problems, the tiled or automatic kernel, no backward state.
+// Compute::kBf16 where it runs: float problems, the tiled or automatic kernel, and not a module forward that
+// keeps a state for the module's backward (keeps_state).
 template <typename Scalar>
 void check_compute(const char* where, Compute compute, Kernel kernel, bool keeps_state) {
   if (compute == Compute::kFloat) return;
@@ -110,6 +108,9 @@ void set_compute(kernels::AttentionProblem<Scalar>& p, Compute compute) {
   p.bf16_path = compute == Compute::kBf16 ? active_bf16_path() : Bf16Path::kEmulated;
 }
 
+// Every option against the call's shape, before any work: std::invalid_argument naming the function, the
+// field, what it must be and what it is. A module call (module_call) refuses the fields that belong to
+// sdpa::attention alone.
 template <typename Scalar>
 void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>& o, bool module_call) {
   const char* where = c.where;
@@ -546,7 +547,6 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
   c.d_k = qd[3];
   c.d_v = vd[3];
   check_attention_options(c, options, /*module_call=*/false);
-  check_compute<Scalar>(where, options.compute, options.kernel, /*keeps_state=*/false);
 
   // Checked: from here on nothing throws but an allocation failure.
   const std::array<Index, 4> out_dims =

@@ -82,8 +82,8 @@ struct AttentionOptions {
   std::uint64_t dropout_seed = 0;
   const Rotary* rotary = nullptr;     // rotates q (at q') and k (at k) before the scores
   // The products' type (sdpa/compute.hpp): kBf16 multiplies bfloat16-rounded q, k, v and probabilities
-  // with float sums (float only; the tiled kernel whatever the shape; no backward yet, so no
-  // AttentionState). The module has set_compute.
+  // with float sums (float only; the tiled kernel whatever the shape; attention_backward after it rounds
+  // its operands too). The module has set_compute.
   Compute compute = Compute::kFloat;
 };
 

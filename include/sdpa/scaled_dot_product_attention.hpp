@@ -522,8 +522,6 @@ class ScaledDotProductAttention {
     Index ldq = 0, ldk = 0, ldv = 0;
   };
 
-  // Keys a query can see per batch entry (key_lengths, or nullptr for all): keys past a length are hidden
-  // from every query, so they are not projected (their rows of the buffer are zeroed instead).
   // One pass of the forward's projections over rows of d_model_ inputs, in the module's compute type.
   void project_pass(const Scalar* x, Index rows, const std::vector<kernels::ProjectionTarget<Scalar>>& targets,
                     const Eigen::ThreadPoolDevice* device) const {
@@ -536,6 +534,8 @@ class ScaledDotProductAttention {
     kernels::project_rows<Scalar>(x, rows, d_model_, targets, device);
   }
 
+  // Keys a query can see per batch entry (key_lengths, or nullptr for all): keys past a length are hidden
+  // from every query, so they are not projected (their rows of the buffer are zeroed instead).
   Projected project(const View& qv, const View& kv, const View& vv, const Eigen::ThreadPoolDevice* device,
                     const Index* key_lengths) const {
     using Target = kernels::ProjectionTarget<Scalar>;

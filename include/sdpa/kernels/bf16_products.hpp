@@ -4,8 +4,9 @@
 //
 // On the hardware paths (AMX, AVX512_BF16) the key block is packed once into bfloat16 pairs (and its value
 // block on first use), each query block of the group once per group, and p once per tile; a product covers
-// the 16-row tiles and 16-column panels that hold the tile's computed rectangle, into a float scratch from
-// which the rectangle is copied (scores, times alpha) or added (outputs). The emulated path rounds the same
+// the 16-row tiles and 16-column panels that hold the tile's computed rectangle: scores go to the scorer's
+// tile in place where its tiles fit there (then times alpha), else through a float scratch, outputs through
+// the scratch into the accumulators. The emulated path rounds the same
 // operands to bfloat16 values held in floats and hands them to the float products: a product of two
 // bfloat16 is exact in float, so the two differ only in the order of the float sums (and in the hardware's
 // treatment of subnormal bfloat16 as zero).
@@ -22,10 +23,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <vector>
-
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "sdpa/compute.hpp"
 #include "sdpa/kernels/tile_products.hpp"
@@ -113,11 +113,11 @@ class Bf16TileProducts {
       avx512_bf16::pack_transposed_pairs(k_, ldk_, cols_, d_k_, keys());
       k_ready_ = true;
     }
-    // A power of two alpha (d_k = 16, 64, 256, ...) rides on the queries: bf16(alpha q) = alpha bf16(q)
-    // exactly (but below 2^-126, where the hardware reads bfloat16 as zero anyway), and the products then
-    // need no pass of their own.
+    // A power of two alpha up to 1 (d_k = 1, 4, 16, 64, 256, ...) rides on the queries: bf16(alpha q) =
+    // alpha bf16(q) exactly (but below 2^-126, where the hardware reads bfloat16 as zero anyway; nothing can
+    // overflow), and the products then need no pass of their own.
     int exponent = 0;
-    const bool folded = std::frexp(alpha, &exponent) == 0.5f;
+    const bool folded = alpha <= 1.0f && std::frexp(alpha, &exponent) == 0.5f;
     BFloat16* qp = q_packed_[sl].data();
     if (!q_ready_[sl]) {
       avx512_bf16::pack_rows(bf16::Rect{q, ldq, 0, rows, 0, d_k_}, bf16::Block{qp, dk_pad_, bf16::round_up(rows, 16), dk_pad_},
