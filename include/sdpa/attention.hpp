@@ -149,6 +149,13 @@ void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>&
     throw_invalid(where, "compute (set_compute sets the module's)", "left at its default in a module call",
                   "set: it is an option of sdpa::attention only");
   if (!module_call) check_compute<Scalar>(where, o.compute, o.kernel, /*keeps_state=*/false);
+  if (o.program != nullptr) {
+    if (module_call)
+      throw_invalid(where, "program", "unset in a module call", "set: score programs run through sdpa::attention and attention_varlen");
+    if (o.kernel == Kernel::kReference)
+      throw_invalid(where, "kernel", "Kernel::kAuto or Kernel::kTiled with a score program", "Kernel::kReference");
+    o.program->check(where, c.batch, c.heads, c.nq, c.nk, o.packed());
+  }
   if (module_call) {
     const char* own = nullptr;
     if (o.layout != Layout::kBHND) own = "layout (the module's inputs are (batch, seq, d_model))";
@@ -195,6 +202,7 @@ kernels::AttentionProblem<Scalar> problem_of(const CallShape& c, const Attention
   p.masked_rows = policy;
   p.probabilities = o.probabilities != nullptr ? o.probabilities->data() : nullptr;
   set_compute(p, o.compute);
+  p.program = o.program.get();
   return p;
 }
 
@@ -203,7 +211,9 @@ kernels::AttentionProblem<Scalar> problem_of(const CallShape& c, const Attention
 template <typename Scalar>
 void run_attention(const kernels::AttentionProblem<Scalar>& p, Kernel kernel,
                    kernels::DecodeWorkspace<Scalar>* workspace, const Eigen::ThreadPoolDevice* device) {
-  if (kernel == Kernel::kReference) {
+  if (p.program != nullptr) {
+    p.program->forward(p, device);  // the tiled kernel of the program's functions (kReference is refused)
+  } else if (kernel == Kernel::kReference) {
     kernels::reference_attention(p, device);
   } else if (kernel == Kernel::kAuto && p.compute == Compute::kFloat && kernels::decode_suits(p)) {
     kernels::DecodeWorkspace<Scalar> local;
@@ -213,14 +223,17 @@ void run_attention(const kernels::AttentionProblem<Scalar>& p, Kernel kernel,
   }
 }
 
-// The backward kernel for the same choice (the tiled backward for kAuto and kTiled).
+// The backward kernel for the same choice (the tiled backward for kAuto and kTiled, and for a score
+// program, whose status it returns).
 template <typename Scalar>
-void run_attention_backward(const kernels::BackwardProblem<Scalar>& bp, Kernel kernel,
-                            const Eigen::ThreadPoolDevice* device) {
+kernels::BackwardStatus run_attention_backward(const kernels::BackwardProblem<Scalar>& bp, Kernel kernel,
+                                               const Eigen::ThreadPoolDevice* device) {
+  if (bp.forward->program != nullptr) return bp.forward->program->backward(bp, device);
   if (kernel == Kernel::kReference)
     kernels::reference_backward(bp, device);
   else
     kernels::tiled_backward(bp, device);
+  return {};
 }
 
 // Sequence s of a packed problem p (a batch of one whose q rows are the sequences' queries one after the
@@ -241,6 +254,7 @@ kernels::AttentionProblem<Scalar> sequence_problem(const kernels::AttentionProbl
   ps.out.data = p.out.data != nullptr ? p.out.row(0, 0, q0) : nullptr;
   if (p.lse != nullptr) ps.lse = p.lse + p.heads * q0;
   ps.sampler = p.sampler.offset_rows(static_cast<std::int64_t>(s) * p.heads);
+  ps.batch_base = static_cast<Eigen::Index>(s);
   return ps;
 }
 
@@ -256,13 +270,18 @@ void run_packed(const kernels::AttentionProblem<Scalar>& p, const std::vector<Ei
 
 // The backward of a packed problem, sequence by sequence: the gradients' rows of each sequence from its
 // own backward (zero where it has no queries or no keys); the sinks' gradients summed in sequence order.
+// A score program's table gradients (d_tables_size elements) likewise.
 template <typename Scalar>
-void run_packed_backward(const kernels::BackwardProblem<Scalar>& bp, const std::vector<Eigen::Index>& cu_q,
-                         const std::vector<Eigen::Index>& cu_k, Kernel kernel, const Eigen::ThreadPoolDevice* device) {
+kernels::BackwardStatus run_packed_backward(const kernels::BackwardProblem<Scalar>& bp, const std::vector<Eigen::Index>& cu_q,
+                                            const std::vector<Eigen::Index>& cu_k, Kernel kernel,
+                                            const Eigen::ThreadPoolDevice* device, Eigen::Index d_tables_size = 0) {
   using Index = Eigen::Index;
   const kernels::AttentionProblem<Scalar>& p = *bp.forward;
+  kernels::BackwardStatus status;
   std::vector<Scalar> sinks(bp.d_sinks != nullptr ? static_cast<std::size_t>(p.heads) : 0);
   if (bp.d_sinks != nullptr) std::fill_n(bp.d_sinks, p.heads, Scalar(0));
+  std::vector<Scalar> tables(bp.d_tables != nullptr ? static_cast<std::size_t>(d_tables_size) : 0);
+  if (bp.d_tables != nullptr) std::fill_n(bp.d_tables, d_tables_size, Scalar(0));
   const auto zero = [&](const kernels::Heads<Scalar>& t, Index row, Index rows, Index heads, Index d) {
     for (Index i = 0; i < rows; ++i)
       for (Index h = 0; h < heads; ++h) std::fill_n(t.row(0, h, row + i), d, Scalar(0));
@@ -282,10 +301,16 @@ void run_packed_backward(const kernels::BackwardProblem<Scalar>& bp, const std::
     bps.d_k.data = bp.d_k.row(0, 0, cu_k[s]);
     bps.d_v.data = bp.d_v.row(0, 0, cu_k[s]);
     if (bp.d_sinks != nullptr) bps.d_sinks = sinks.data();
-    run_attention_backward(bps, kernel, device);
+    if (bp.d_tables != nullptr) bps.d_tables = tables.data();
+    const kernels::BackwardStatus st = run_attention_backward(bps, kernel, device);
+    status.unlisted_table = status.unlisted_table || st.unlisted_table;
+    status.too_many_reads = status.too_many_reads || st.too_many_reads;
     if (bp.d_sinks != nullptr)
       for (Index h = 0; h < p.heads; ++h) bp.d_sinks[h] += sinks[static_cast<std::size_t>(h)];
+    if (bp.d_tables != nullptr)
+      for (Index e = 0; e < d_tables_size; ++e) bp.d_tables[e] += tables[static_cast<std::size_t>(e)];
   }
+  return status;
 }
 
 // Rotates rows [0, n) of heads `heads` (row i at position first + i): once per batch entry, or for packed
@@ -452,12 +477,13 @@ class AttentionState {
 
 // The gradients of attention's inputs: q, k, v in their shapes and layout; the attention_weights' and
 // attention_bias' in their broadcast shapes (empty when not given); one per query head for the sinks
-// (empty when not given).
+// (empty when not given); one per ScoreTable a score program's function reads, in the program's order.
 template <typename Scalar>
 struct AttentionGradients {
   Tensor4<Scalar> q, k, v;
   Tensor4<Scalar> attention_weights, attention_bias;
   std::vector<Scalar> sinks;
+  std::vector<Eigen::Tensor<Scalar, 2, Eigen::RowMajor>> tables;
 };
 
 // Attention of q over k and v (see the header comment for the shapes); every AttentionOptions field
@@ -718,14 +744,37 @@ AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, cons
     for (std::size_t i = 0; i < 4; ++i) bp.bias_dims[i] = g.attention_bias.dimension(i);
   }
   if (p.sinks != nullptr) bp.d_sinks = g.sinks.data();
+  // A score program's tables: their gradients one after the other, then split.
+  std::vector<Scalar> d_tables;
+  const Index tables = o.program != nullptr ? o.program->table_count() : 0;
+  for (Index i = 0; i < tables; ++i) {
+    const std::array<Index, 2> dims = o.program->table_dims(i);
+    g.tables.emplace_back(dims[0], dims[1]);
+  }
+  Index table_elements = 0;
+  for (const auto& t : g.tables) table_elements += t.size();
+  d_tables.assign(static_cast<std::size_t>(table_elements), Scalar(0));
+  if (table_elements > 0) bp.d_tables = d_tables.data();
+  kernels::BackwardStatus status;
   if (o.packed()) {
-    detail::run_packed_backward(bp, o.cu_seqlens_q, o.cu_seqlens_k, o.kernel, o.device);
+    status = detail::run_packed_backward(bp, o.cu_seqlens_q, o.cu_seqlens_k, o.kernel, o.device, table_elements);
   } else if (c.batch > 0 && c.heads > 0) {
-    detail::run_attention_backward(bp, o.kernel, o.device);
+    status = detail::run_attention_backward(bp, o.kernel, o.device);
   } else {
     if (g.q.size() > 0) g.q.setZero();
     if (g.k.size() > 0) g.k.setZero();
     if (g.v.size() > 0) g.v.setZero();
+  }
+  if (status.unlisted_table)
+    detail::throw_invalid(where, "the score program's tables", "every ScoreTable its score function reads",
+                          "missing one the function read (list it when making the program)");
+  if (status.too_many_reads)
+    detail::throw_invalid(where, "the score function's table reads per score",
+                          detail::concat("at most ", flex::Dual<Scalar>::kTangents - 1), "more");
+  Index offset = 0;
+  for (auto& t : g.tables) {
+    if (t.size() > 0) std::copy_n(d_tables.data() + offset, t.size(), t.data());
+    offset += t.size();
   }
   // The gradients of the rotated q and k, rotated back.
   if (s.has_rotary_) {

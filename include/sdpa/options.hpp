@@ -13,8 +13,11 @@
 #include <cstdint>
 #include <vector>
 
+#include <memory>
+
 #include "sdpa/compute.hpp"
 #include "sdpa/error.hpp"
+#include "sdpa/flex/score_program.hpp"
 
 SDPA_NAMESPACE_BEGIN
 
@@ -85,6 +88,10 @@ struct AttentionOptions {
   // with float sums (float only; the tiled kernel whatever the shape; attention_backward after it rounds
   // its operands too). The module has set_compute.
   Compute compute = Compute::kFloat;
+  // A score program (sdpa/flex.hpp: score and mask functions, a block plan): its score function follows
+  // ALiBi above, its mask function hides keys as the fixed rules do (true keeps). Runs on the tiled
+  // kernel (kAuto or kTiled); the objects it refers to (plan, tables) must outlive attention_backward.
+  std::shared_ptr<const ScoreProgram<Scalar>> program;
 };
 
 // The slopes of ALiBi (Press, Smith and Lewis, "Train Short, Test Long", ICLR 2022), as the paper's

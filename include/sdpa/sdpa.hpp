@@ -7,6 +7,7 @@
 #include "sdpa/compute.hpp"
 #include "sdpa/cpu.hpp"
 #include "sdpa/error.hpp"
+#include "sdpa/flex.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/reference.hpp"

@@ -568,6 +568,9 @@ void check_ring(const ::sdpa::detail::CallShape& local, const std::array<Index, 
   if (o.dropout != Scalar(0)) throw_invalid(where, "dropout", "0 in ring attention", o.dropout);
   if (o.masked_rows != MaskedRows::kZero)
     throw_invalid(where, "masked_rows", "MaskedRows::kZero in ring attention", "MaskedRows::kNaN");
+  if (o.program != nullptr)
+    throw_invalid(where, "program", "unset in ring attention (score programs run through sdpa::attention and attention_varlen)",
+                  "set");
   if (o.compute != Compute::kFloat)
     throw_invalid(where, "compute", "Compute::kFloat in ring attention (it has no bfloat16 form yet)", compute_name(o.compute));
   ::sdpa::detail::CallShape whole = local;

@@ -18,14 +18,17 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "sdpa/flex/dual.hpp"
 #include "sdpa/kernels/bf16_products.hpp"
 #include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/program.hpp"
 #include "sdpa/kernels/projection.hpp"
 #include "sdpa/kernels/reference.hpp"
 #include "sdpa/kernels/scores.hpp"
@@ -55,6 +58,16 @@ struct BackwardProblem {
   // When forward->sinks is set and this is not null: one per query head, written. d L / d sink_h =
   // -sum over (b, q) of p_sink(b, h, q) * D(b, h, q), p_sink = exp(sink_h - lse), D = dO . O.
   Scalar* d_sinks = nullptr;
+  // When the score program's function reads ScoreTables and this is not null: their gradients, written one
+  // after the other in the program's table order (kernels/program.hpp).
+  Scalar* d_tables = nullptr;
+};
+
+// What a backward under a score program could not do: the score function read a ScoreTable the program
+// does not list, or more tables per score than flex::Dual has tangents (their gradients are incomplete).
+struct BackwardStatus {
+  bool unlisted_table = false;
+  bool too_many_reads = false;
 };
 
 namespace detail {
@@ -191,19 +204,22 @@ void softcap_gradient(const AttentionProblem<Scalar>& p, Eigen::Index b, Eigen::
 // Per group of query rows it walks the forward's tiles (key blocks outer, query blocks inner) and
 // accumulates dq of the group in scratch, dk and dv straight into their outputs; so each gradient element
 // sums its terms in the order of the blocks, whatever the grouping or the threads.
-template <typename Scalar>
+// Under a score program with a score function, dS is carried through it by the chain rule (its derivative
+// from flex::Dual at the score it took), and the reads of ScoreTables add to the current unit's share of
+// their gradients (set_table_partial).
+template <typename Scalar, typename Program = NoProgram>
 class TiledBackward {
  public:
   using Index = Eigen::Index;
   using Segment = typename Visibility<Scalar>::Segment;
 
   // sink_partial: per (batch, head), this worker's pairs' share of the sinks' gradient (when there are sinks).
-  TiledBackward(const BackwardProblem<Scalar>& bp, const ScorePipeline<Scalar>& pipeline, const TileConfig& c,
+  TiledBackward(const BackwardProblem<Scalar>& bp, const ScorePipeline<Scalar, Program>& pipeline, const TileConfig& c,
                 Scalar* sink_partial)
       : bp_(bp),
         p_(*bp.forward),
         vis_(pipeline.visibility()),
-        scorer_(pipeline, c),
+        scorer_(pipeline, c, /*keep_pre=*/Program::kScore),
         span_(c.group * c.block_q),
         ldd_((c.block_k + kLine - 1) / kLine * kLine),
         dw_(detail::dense_gradient(bp.d_weights, p_.weights, bp.weights_dims)),
@@ -217,7 +233,20 @@ class TiledBackward {
         seen_(static_cast<std::size_t>(span_)),
         bits_(p_.dropout ? static_cast<std::size_t>(c.block_k + 8) : 0),
         sink_partial_(sink_partial),
-        bf16_(p_.compute == Compute::kBf16 ? p_.bf16_path : Bf16Path::kEmulated) {}
+        bf16_(p_.compute == Compute::kBf16 ? p_.bf16_path : Bf16Path::kEmulated) {
+    if constexpr (Program::kScore) {
+      const Program& f = *pipeline.program();
+      Index offset = 0;
+      for (Index i = 0; i < f.table_count(); ++i) {
+        table_offsets_.push_back(offset);
+        offset += f.table_size(i);
+      }
+    }
+  }
+
+  // Where the next pairs' table reads add their gradient terms (null: nowhere).
+  void set_table_partial(Scalar* partial) noexcept { table_partial_ = partial; }
+  const BackwardStatus& status() const noexcept { return status_; }
 
   // Pair (b, h); the first query head of a key/value head's group starts that group's dk and dv rows.
   void run(Index b, Index h) {
@@ -328,6 +357,7 @@ class TiledBackward {
         Row(dr, nj) = ConstRow(pr, nj) * (Row(dr, nj) - delta);
       }
       if (t.any_hidden) zero_hidden(t, i, seg, dr, nj);
+      if constexpr (Program::kScore) through_score_function(t, i, query, seg, dr);
       const Scalar* ur = u == nullptr ? nullptr : u + (i - t.i0) * ldd_;
       // The bias was added after the softcap; the weights multiplied before it.
       if (db_) add_score_gradient(db_, t, i, query, seg, [&](Index j) { return dr[j]; });
@@ -379,6 +409,36 @@ class TiledBackward {
     tn_add(nj, p.d_k, ni, ds, ldd_, q, p.q.row_stride, bp_.d_k.row(b, h / p.kv_group, first_key), bp_.d_k.row_stride);
   }
 
+  // dr (dL / d the function's result, over the row's segment) becomes dL / d the score it took: times
+  // d result / d score from the dual; each table entry read adds dr times its derivative. Keys with dr 0
+  // (hidden, or no gradient) are not asked.
+  void through_score_function(const Tile<Scalar>& t, Index i, Index query, const Segment& seg, Scalar* dr) {
+    const Program& f = *scorer_.program();
+    const Scalar* pre = t.pre_row(i);
+    const Index bb = t.b + p_.batch_base, pos = p_.position(t.b, query), first_key = t.k0 + t.j0;
+    flex::detail::TableTape& tape = flex::detail::table_tape();
+    for (Index j = seg.lo; j < seg.hi; ++j) {
+      const Scalar g = dr[j];
+      if (g == Scalar(0)) continue;
+      tape.start();
+      const flex::Dual<Scalar> y = f.score(flex::Dual<Scalar>::variable(pre[j], 0), bb, t.h, pos, first_key + j);
+      dr[j] = g * y.d[0];
+      for (int r = 0; r < tape.reads; ++r) {
+        const std::size_t sr = static_cast<std::size_t>(r);
+        Index table = 0;
+        while (table < f.table_count() && f.table_id(table) != tape.table[sr]) ++table;
+        if (table == f.table_count()) {
+          status_.unlisted_table = true;
+          continue;
+        }
+        if (table_partial_ != nullptr)
+          table_partial_[table_offsets_[static_cast<std::size_t>(table)] + tape.index[sr]] += g * y.d[sr + 1];
+      }
+      if (tape.overflow) status_.too_many_reads = true;
+    }
+    tape.recording = false;
+  }
+
   // dS = 0 at the keys the row does not see (seg relative to the rectangle's first key), whatever dP held
   // there: the masked_fill's gradient.
   void zero_hidden(const Tile<Scalar>& t, Index i, const Segment& seg, Scalar* dr, Index nj) const {
@@ -415,7 +475,7 @@ class TiledBackward {
   const BackwardProblem<Scalar>& bp_;
   const AttentionProblem<Scalar>& p_;
   const Visibility<Scalar>& vis_;
-  TileScorer<Scalar> scorer_;
+  TileScorer<Scalar, Program> scorer_;
   const Index span_, ldd_;
   const detail::DenseGradient<Scalar> dw_, db_;
   // Scratch starts on a cache line in every worker: Eigen's products of small operands vectorise from the
@@ -430,14 +490,18 @@ class TiledBackward {
   Scalar* sink_partial_;                // per (batch, head), or null
   Scalar sink_sum_ = Scalar(0);         // the current pair's
   Bf16Gemm bf16_;                       // kBf16 on a hardware path: the gradient products
+  std::vector<Index> table_offsets_;    // each table's first element in a unit's share
+  Scalar* table_partial_ = nullptr;     // the current unit's share of the tables' gradients
+  BackwardStatus status_;
 };
 
-// The attention core's backward, tiled (see the header comment). Zero fields of `config` are derived from
-// the caches as for the forward. Deterministic: for a given config the results are the same bits on any
-// number of threads and in every call.
-template <typename Scalar>
-void tiled_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDevice* device = nullptr,
-                    TileConfig config = TileConfig{}) {
+// The attention core's backward under a score program, tiled (see the header comment). Zero fields of
+// `config` are derived from the caches as for the forward. Deterministic: for a given config the results
+// are the same bits on any number of threads and in every call (the tables' gradients too: each unit of
+// work adds to a share of its own, and the shares are summed in unit order).
+template <typename Scalar, typename Program>
+BackwardStatus tiled_backward_program(const BackwardProblem<Scalar>& bp, const Program& program,
+                                      const Eigen::ThreadPoolDevice* device = nullptr, TileConfig config = TileConfig{}) {
   using Index = Eigen::Index;
   eigen_assert(bp.forward != nullptr);
   const AttentionProblem<Scalar>& p = *bp.forward;
@@ -445,10 +509,14 @@ void tiled_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDe
   const detail::DenseGradient<Scalar> db = detail::dense_gradient(bp.d_bias, p.bias, bp.bias_dims);
   if (dw) dw.zero();
   if (db) db.zero();
-  if (p.batch <= 0 || p.heads <= 0) return;
+  Index table_elements = 0;
+  for (Index i = 0; i < program.table_count(); ++i) table_elements += program.table_size(i);
+  if (bp.d_tables != nullptr) std::fill_n(bp.d_tables, table_elements, Scalar(0));
+  BackwardStatus status;
+  if (p.batch <= 0 || p.heads <= 0) return status;
   if (p.nq <= 0 || p.nk <= 0) {
     detail::backward_nothing_flows(bp);
-    return;
+    return status;
   }
   eigen_assert(p.lse != nullptr);
   // One worker's view of the config: groups only decide which query blocks share packed operands here, as
@@ -456,17 +524,43 @@ void tiled_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDe
   const TileConfig c = resolve_tile_config(p, config, 1);
   const detail::BackwardUnits units = detail::backward_units(bp);
   const Visibility<Scalar> visibility(p, device);
-  const ScorePipeline<Scalar> pipeline(visibility);
+  const ScorePipeline<Scalar, Program> pipeline(visibility, &program);
   const Index n = units.count();
   const bool sinks = bp.d_sinks != nullptr && p.sinks != nullptr;
   std::vector<Scalar> sink_partial(sinks ? static_cast<std::size_t>(p.batch * p.heads) : 0);
+  const bool tables = Program::kScore && bp.d_tables != nullptr && table_elements > 0;
+  std::vector<Scalar> table_partial(tables ? static_cast<std::size_t>(n * table_elements) : 0);
+  std::atomic<bool> unlisted{false}, too_many{false};
   parallel_for_with_state(
       device, n, balanced_grain(device, n, 4),
-      [&] { return TiledBackward<Scalar>(bp, pipeline, c, sinks ? sink_partial.data() : nullptr); },
-      [&](TiledBackward<Scalar>& worker, Index u0, Index u1) {
-        for (Index u = u0; u < u1; ++u) units.for_each_pair(u, [&](Index b, Index h) { worker.run(b, h); });
+      [&] { return TiledBackward<Scalar, Program>(bp, pipeline, c, sinks ? sink_partial.data() : nullptr); },
+      [&](TiledBackward<Scalar, Program>& worker, Index u0, Index u1) {
+        for (Index u = u0; u < u1; ++u) {
+          if (tables) worker.set_table_partial(table_partial.data() + u * table_elements);
+          units.for_each_pair(u, [&](Index b, Index h) { worker.run(b, h); });
+        }
+      },
+      [&](TiledBackward<Scalar, Program>& worker) {
+        if (worker.status().unlisted_table) unlisted.store(true, std::memory_order_relaxed);
+        if (worker.status().too_many_reads) too_many.store(true, std::memory_order_relaxed);
       });
   detail::reduce_sink_gradients(bp, sink_partial);
+  if (tables) {
+    for (Index u = 0; u < n; ++u) {
+      const Scalar* share = table_partial.data() + u * table_elements;
+      for (Index e = 0; e < table_elements; ++e) bp.d_tables[e] += share[e];
+    }
+  }
+  status.unlisted_table = unlisted.load();
+  status.too_many_reads = too_many.load();
+  return status;
+}
+
+// The attention core's backward with its fixed options alone.
+template <typename Scalar>
+void tiled_backward(const BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDevice* device = nullptr,
+                    TileConfig config = TileConfig{}) {
+  tiled_backward_program(bp, NoProgram{}, device, config);
 }
 
 // The plain backward, the oracle of tiled_backward: per (batch, head, query) the whole row of scores and

@@ -90,6 +90,11 @@ struct AttentionProblem {
   Index query_offset = 0;
   const Index* query_offsets = nullptr;  // one per batch entry instead (a ragged batch of cached sequences)
   MaskedRows masked_rows = MaskedRows::kZero;
+  // The checked call's score program (sdpa/flex/score_program.hpp), or none: the entry points hand the
+  // problem to it, and it runs the kernels instantiated for its functions (kernels/program.hpp). Those are
+  // told batch entry b is b + batch_base (a packed call's sequence runs as a batch of one at its index).
+  const ScoreProgram<Scalar>* program = nullptr;
+  Index batch_base = 0;
 
   bool dropout = false;            // training mode with p > 0
   DropoutSampler sampler{0, 0, 0.0};

@@ -15,6 +15,7 @@
 #include <limits>
 
 #include "sdpa/kernels/problem.hpp"
+#include "sdpa/kernels/program.hpp"
 #include "sdpa/simd/dispatch.hpp"
 #include "sdpa/kernels/visibility.hpp"
 
@@ -47,14 +48,16 @@ void apply_broadcast_row(Scalar* x, Eigen::Index n, const BroadcastView<Scalar>&
 
 }  // namespace detail
 
-template <typename Scalar>
+// Program: a score program (kernels/program.hpp) whose score function follows ALiBi, called with the
+// query's position, before the hidden keys become -inf.
+template <typename Scalar, typename Program = NoProgram>
 class ScorePipeline {
  public:
   using Index = Eigen::Index;
   static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
 
-  explicit ScorePipeline(const Visibility<Scalar>& visibility) noexcept
-      : vis_(visibility), p_(visibility.problem()) {}
+  explicit ScorePipeline(const Visibility<Scalar>& visibility, const Program* program = nullptr) noexcept
+      : vis_(visibility), p_(visibility.problem()), program_(program) {}
 
   // x[j] (j < n) holds scale * (q . k) of row (b, h, q) and key k0 + j, and r is the row's key range: turns
   // them into the final scores, -inf where hidden. Returns false when every key of the segment is hidden.
@@ -63,8 +66,9 @@ class ScorePipeline {
   }
 
   // The same with the row's visible segment already found (Visibility::segment, relative to k0).
+  // pre (optional, indexed like x): receives the visible scores as the score function takes them.
   bool apply_segment(Scalar* x, Index n, Index b, Index h, Index q, Index k0,
-                     const typename Visibility<Scalar>::Segment& seg) const noexcept {
+                     const typename Visibility<Scalar>::Segment& seg, Scalar* pre = nullptr) const noexcept {
     if (seg.none()) {
       std::fill(x, x + n, -kInf);
       return false;
@@ -79,7 +83,18 @@ class ScorePipeline {
     if (p_.bias)
       detail::apply_broadcast_row(y, m, p_.bias, b, h, q, kbegin, /*multiply=*/false);
     if (p_.alibi != nullptr) add_alibi(y, m, p_.alibi[h], p_.position(b, q) - kbegin);
-    if (!seg.solid) {
+    if constexpr (Program::kScore) {
+      if (pre != nullptr) std::copy_n(y, m, pre + seg.lo);
+      const Program& f = *program_;
+      const Index bb = b + p_.batch_base, pos = p_.position(b, q);
+      for (Index j = 0; j < m; ++j) y[j] = static_cast<Scalar>(f.score(y[j], bb, h, pos, kbegin + j));
+    } else {
+      (void)pre;
+    }
+    if (!seg.solid && seg.holes != nullptr) {
+      const unsigned char* holes = seg.holes + seg.lo;
+      for (Index j = 0; j < m; ++j) y[j] = holes[j] != 0 ? -kInf : y[j];
+    } else if (!seg.solid) {
       // Holes in the mask inside the range: the mask decides each key.
       const BroadcastView<bool>& mask = p_.mask;
       const Index stride = mask.stride[3];
@@ -103,10 +118,12 @@ class ScorePipeline {
   }
 
   const Visibility<Scalar>& visibility() const noexcept { return vis_; }
+  const Program* program() const noexcept { return program_; }
 
  private:
   const Visibility<Scalar>& vis_;
   const AttentionProblem<Scalar>& p_;
+  const Program* program_;
 };
 
 }  // namespace kernels

@@ -52,27 +52,34 @@ struct Tile {
   bool any_hidden = false;           // some score of the rectangle is hidden
   Scalar* s = nullptr;
   Index lds = 0;
+  Scalar* pre = nullptr;              // when asked for: the scores as a program's score function took them
   const Segment* segments = nullptr;  // per tile row: its visible keys of the block (none: a closed row)
 
   Scalar* row(Index i) const noexcept { return s + i * lds + j0; }
+  Scalar* pre_row(Index i) const noexcept { return pre + i * lds + j0; }
   Index width() const noexcept { return j1 - j0; }
   // Whether key k0 + j (j in [j0, j1)) is hidden from tile row i.
   bool hidden(const Visibility<Scalar>& vis, Index i, Index j) const noexcept {
     const Segment& seg = segments[i];
     if (j < seg.lo || j >= seg.hi) return true;
-    return !seg.solid && vis.masked(b, h, q0 + r0 + i, k0 + j);
+    if (seg.solid) return false;
+    return seg.holes != nullptr ? seg.holes[j] != 0 : vis.masked(b, h, q0 + r0 + i, k0 + j);
   }
 };
 
 // Walks the tiles of one group of query rows and forms their scores; shared by the forward, the
 // probabilities and the backward pass. Scratch is sized once per worker; the tile loop allocates nothing.
-template <typename Scalar>
+// With a program's mask function (kernels/program.hpp), a tile its plan marks none is skipped, one it marks
+// full is not asked, and in any other the function is asked for each key a row's range holds (its answers
+// narrow the row's segment as a mask tensor's would); keep_pre: tiles carry the scores as the program's
+// score function took them (the backward's chain rule).
+template <typename Scalar, typename Program = NoProgram>
 class TileScorer {
  public:
   using Index = Eigen::Index;
   using Segment = typename Visibility<Scalar>::Segment;
 
-  TileScorer(const ScorePipeline<Scalar>& pipeline, const TileConfig& c)
+  TileScorer(const ScorePipeline<Scalar, Program>& pipeline, const TileConfig& c, bool keep_pre = false)
       : pipeline_(pipeline),
         vis_(pipeline.visibility()),
         p_(vis_.problem()),
@@ -85,7 +92,9 @@ class TileScorer {
         segments_(static_cast<std::size_t>(c.block_q)),
         products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, p_.compute, p_.bf16_path, c.pack_operands),
         k_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_k) : 0),
-        v_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_v) : 0) {}
+        v_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_v) : 0),
+        holes_(Program::kMask ? static_cast<std::size_t>(c.block_q * c.block_k) : 0),
+        pre_buf_(Program::kScore && keep_pre ? static_cast<std::size_t>(c.block_q * lds_ + kLine) : 0) {}
 
   // Calls visit(tile) for every tile of (b, h) and the group rows q0 .. q0 + rows - 1 that some row sees,
   // key blocks in order (restricted to keys [key_lo, key_hi), which must start at a multiple of the key
@@ -116,6 +125,7 @@ class TileScorer {
     t.q0 = q0;
     t.s = aligned(s_buf_);
     t.lds = lds_;
+    t.pre = pre_buf_.empty() ? nullptr : aligned(pre_buf_);
     t.segments = segments_.data();
     for (Index k0 = lo / bk_ * bk_; k0 < hi; k0 += bk_) {
       const Index cols = std::min(bk_, p_.nk - k0);
@@ -149,8 +159,9 @@ class TileScorer {
           Segment seg = segments_[static_cast<std::size_t>(i)];
           seg.lo -= t.j0;
           seg.hi -= t.j0;
+          if (seg.holes != nullptr) seg.holes += t.j0;
           if (seg.none()) seg = Segment{};
-          pipeline_.apply_segment(t.row(i), nj, b, h, q0 + r0 + i, k0 + t.j0, seg);
+          pipeline_.apply_segment(t.row(i), nj, b, h, q0 + r0 + i, k0 + t.j0, seg, t.pre != nullptr ? t.pre_row(i) : nullptr);
         }
         visit(static_cast<const Tile<Scalar>&>(t));
       }
@@ -159,6 +170,7 @@ class TileScorer {
 
   ComputeTileProducts<Scalar>& products() noexcept { return products_; }
   const TileStats& stats() const noexcept { return stats_; }
+  const Program* program() const noexcept { return pipeline_.program(); }
 
   // The value row of key k for (b, h), inside the key block a visitor is being handed: widened or gathered
   // when the problem's values are stored or paged.
@@ -179,17 +191,31 @@ class TileScorer {
     t.i1 = 0;
     t.j0 = t.cols;
     t.j1 = 0;
+    BlockState state = BlockState::kFull;
+    if constexpr (Program::kMask) {
+      const BlockMask* plan = program()->plan();
+      state = plan == nullptr ? BlockState::kPartial
+                              : plan->covering(t.b + p_.batch_base, t.h, t.q0 + t.r0, t.q0 + t.r0 + t.rows, t.k0, t.k0 + t.cols);
+      if (state == BlockState::kNone) {
+        if (count) ++stats_.tiles_skipped;
+        return false;
+      }
+    }
     for (Index i = 0; i < t.rows; ++i) {
       const Segment seg = vis_.segment(ranges_[static_cast<std::size_t>(t.r0 + i)], t.b, t.h, t.q0 + t.r0 + i, t.k0, t.cols);
       Segment& kept = segments_[static_cast<std::size_t>(i)];
       kept.lo = seg.lo;
       kept.hi = seg.hi;
       kept.solid = seg.solid;
-      if (seg.none()) continue;
+      kept.holes = nullptr;
+      if constexpr (Program::kMask) {
+        if (state == BlockState::kPartial && !seg.none()) ask_mask(t, i, kept);
+      }
+      if (kept.none()) continue;
       t.i0 = std::min(t.i0, i);
       t.i1 = i + 1;
-      t.j0 = std::min(t.j0, seg.lo);
-      t.j1 = std::max(t.j1, seg.hi);
+      t.j0 = std::min(t.j0, kept.lo);
+      t.j1 = std::max(t.j1, kept.hi);
     }
     if (t.i1 <= t.i0) {
       if (count) ++stats_.tiles_skipped;
@@ -204,7 +230,29 @@ class TileScorer {
     return true;
   }
 
-  const ScorePipeline<Scalar>& pipeline_;
+  // The program's mask function over the keys of tile row i's segment (and the mask tensor's holes
+  // there): the segment narrowed to the first and last key both keep, with its holes marked when any lie
+  // between.
+  void ask_mask(const Tile<Scalar>& t, Index i, Segment& seg) {
+    const Program& f = *program();
+    const Index q = t.q0 + t.r0 + i, bb = t.b + p_.batch_base, pos = p_.position(t.b, q);
+    unsigned char* hidden = holes_.data() + i * bk_;
+    for (Index j = seg.lo; j < seg.hi; ++j) hidden[j] = f.visible(bb, t.h, pos, t.k0 + j) ? 0 : 1;
+    if (!seg.solid)
+      for (Index j = seg.lo; j < seg.hi; ++j) hidden[j] = static_cast<unsigned char>(hidden[j] | (vis_.masked(t.b, t.h, q, t.k0 + j) ? 1 : 0));
+    while (seg.lo < seg.hi && hidden[seg.lo] != 0) ++seg.lo;
+    while (seg.hi > seg.lo && hidden[seg.hi - 1] != 0) --seg.hi;
+    if (seg.none()) {
+      seg = Segment{};
+      return;
+    }
+    unsigned holes = 0;
+    for (Index j = seg.lo; j < seg.hi; ++j) holes |= hidden[j];
+    seg.solid = holes == 0;
+    seg.holes = seg.solid ? nullptr : hidden;
+  }
+
+  const ScorePipeline<Scalar, Program>& pipeline_;
   const Visibility<Scalar>& vis_;
   const AttentionProblem<Scalar>& p_;
   const Index bq_, bk_, lds_;
@@ -215,17 +263,19 @@ class TileScorer {
   TileStats stats_;
   std::vector<Scalar> k_wide_, v_wide_;  // a stored or paged problem's current key block, gathered (block_k x d)
   Index wide_k0_ = 0;
+  std::vector<unsigned char> holes_;     // a program's hidden keys: per tile row, one byte per key of the block
+  std::vector<Scalar> pre_buf_;          // keep_pre: one tile of the scores before the score function
 };
 
 // The forward of one worker: output rows q0 .. q0 + rows - 1 of (batch b, head h), written to p.out (and
 // the rows' log-sum-exp and probabilities when the problem asks for them).
-template <typename Scalar>
+template <typename Scalar, typename Program = NoProgram>
 class TiledForward {
  public:
   using Index = Eigen::Index;
   using Segment = typename Visibility<Scalar>::Segment;
 
-  TiledForward(const ScorePipeline<Scalar>& pipeline, const TileConfig& c)
+  TiledForward(const ScorePipeline<Scalar, Program>& pipeline, const TileConfig& c)
       : scorer_(pipeline, c),
         vis_(pipeline.visibility()),
         p_(vis_.problem()),
@@ -359,7 +409,7 @@ class TiledForward {
     for (Index j = 0; j < n; ++j) x[j] = sampler.dropped_bits(bits[j]) ? Scalar(0) : x[j] * keep;
   }
 
-  TileScorer<Scalar> scorer_;
+  TileScorer<Scalar, Program> scorer_;
   const Visibility<Scalar>& vis_;
   const AttentionProblem<Scalar>& p_;
   std::vector<Scalar> o_buf_;
@@ -421,11 +471,13 @@ TileConfig resolve_tile_config(const AttentionProblem<Scalar>& p, TileConfig con
   return c;
 }
 
-// The attention core of p, tiled (see the header comment). Zero fields of `config` are derived from the
-// caches (TileConfig::for_problem); `stats`, when given, receives the tile counts.
-template <typename Scalar>
-void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolDevice* device = nullptr,
-                     TileConfig config = TileConfig{}, TileStats* stats = nullptr) {
+// The attention core of p under a score program (kernels/program.hpp), tiled (see the header comment).
+// Zero fields of `config` are derived from the caches (TileConfig::for_problem); `stats`, when given,
+// receives the tile counts.
+template <typename Scalar, typename Program>
+void tiled_attention_program(const AttentionProblem<Scalar>& p, const Program& program,
+                             const Eigen::ThreadPoolDevice* device = nullptr, TileConfig config = TileConfig{},
+                             TileStats* stats = nullptr) {
   using Index = Eigen::Index;
   if (stats != nullptr) *stats = TileStats{};
   if (p.batch <= 0 || p.heads <= 0 || p.nq <= 0) return;
@@ -449,7 +501,7 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
   // evens that out. Each thread keeps one TiledForward (its scratch) for all the chunks it takes.
   const Index grain = balanced_grain(device, units, 4);
   const Visibility<Scalar> visibility(p, device);
-  const ScorePipeline<Scalar> pipeline(visibility);
+  const ScorePipeline<Scalar, Program> pipeline(visibility, &program);
   // The rows a unit reads and writes (its queries and output rows, every key and value row of its head)
   // are brought to L2 while the unit before it computes, when they take at most an eighth of L2: a short
   // sequence's unit (the 50 x 49 shapes: 49 rows) otherwise waits on them, since they lie a row stride
@@ -474,8 +526,8 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
   };
   std::atomic<Index> computed{0}, skipped{0};
   parallel_for_with_state(
-      device, units, grain, [&] { return TiledForward<Scalar>(pipeline, c); },
-      [&](TiledForward<Scalar>& worker, Index u0, Index u1) {
+      device, units, grain, [&] { return TiledForward<Scalar, Program>(pipeline, c); },
+      [&](TiledForward<Scalar, Program>& worker, Index u0, Index u1) {
         for (Index u = u0; u < u1; ++u) {
           const Index bh = u / groups, g = u % groups;
           const Index q0 = g * span;
@@ -483,7 +535,7 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
           worker.run(bh / p.heads, bh % p.heads, q0, std::min(span, p.nq - q0));
         }
       },
-      [&](TiledForward<Scalar>& worker) {
+      [&](TiledForward<Scalar, Program>& worker) {
         computed.fetch_add(worker.stats().tiles_computed, std::memory_order_relaxed);
         skipped.fetch_add(worker.stats().tiles_skipped, std::memory_order_relaxed);
       });
@@ -491,6 +543,13 @@ void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolD
     stats->tiles_computed = computed.load();
     stats->tiles_skipped = skipped.load();
   }
+}
+
+// The attention core of p with its fixed options alone.
+template <typename Scalar>
+void tiled_attention(const AttentionProblem<Scalar>& p, const Eigen::ThreadPoolDevice* device = nullptr,
+                     TileConfig config = TileConfig{}, TileStats* stats = nullptr) {
+  tiled_attention_program(p, NoProgram{}, device, config, stats);
 }
 
 }  // namespace kernels

@@ -1,0 +1,520 @@
+// Tests of programmable attention (sdpa/flex.hpp): score and mask functions, block plans and the built-ins,
+// through sdpa::attention, attention_backward and attention_varlen.
+//   - against PyTorch's flex_attention (tests/fixtures/flex/*.sdpafix, scripts/make_flex_fixtures.py; float64;
+//     gradients from float64 autograd of a dense form checked against flex_attention's output, since
+//     PyTorch has no flex backward on the CPU): outputs and the gradients of q, k, v and every ScoreTable,
+//     for every built-in and two functions written only here, in double and float;
+//   - against a plain float64 reference in this file (dense scores, the functions applied, softmax) with the
+//     fixed options composed: GQA, key lengths, bias, sinks, dropout's absence, the BNHD layout;
+//   - a plan gives the same bits as no plan; the analytic plans equal the exact ones (block_mask_from);
+//     the fixed options equal their built-in twins (causal, windows, ALiBi, softcap);
+//   - gradients are the same bits on 1 and 2 threads (tables too);
+//   - refusals: a plan of another shape, a table of the wrong shape, tree parents, the reference kernel, a
+//     module call, an unlisted table.
+#include "sdpa/flex.hpp"
+#include "sdpa/scaled_dot_product_attention.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <dirent.h>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "support/fixture.hpp"
+#include "support/reference.hpp"
+
+namespace flex_test {
+
+using Index = Eigen::Index;
+using sdpa_test::expect_invalid;
+template <typename S>
+using T4 = Eigen::Tensor<S, 4, Eigen::RowMajor>;
+namespace flex = sdpa::flex;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ---- A plain float64 reference ----
+
+// Dense attention over (b, h, n, d) tensors (GQA by h / kv_heads), positions q' = q + nk - nq: s = scale q.k,
+// + bias, then score(s, b, h, q', k), -inf where !visible or key_lengths hides it; softmax with an optional
+// sink; a row with no visible key gives 0.
+struct Dense {
+  std::function<double(double, Index, Index, Index, Index)> score = [](double s, Index, Index, Index, Index) { return s; };
+  std::function<bool(Index, Index, Index, Index)> visible = [](Index, Index, Index, Index) { return true; };
+  std::vector<Index> key_lengths;
+  const T4<double>* bias = nullptr;
+  std::vector<double> sinks;
+
+  template <typename S>
+  std::vector<double> run(const T4<S>& q, const T4<S>& k, const T4<S>& v) const {
+    const Index b = q.dimension(0), h = q.dimension(1), nq = q.dimension(2), d = q.dimension(3);
+    const Index kvh = k.dimension(1), nk = k.dimension(2), dv = v.dimension(3);
+    std::vector<double> out(static_cast<std::size_t>(b * h * nq * dv), 0.0), s(static_cast<std::size_t>(nk));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (Index bi = 0; bi < b; ++bi)
+      for (Index hi = 0; hi < h; ++hi) {
+        const Index g = hi / (h / kvh);
+        for (Index i = 0; i < nq; ++i) {
+          const Index pos = i + nk - nq;
+          double m = -kInf;
+          bool seen = false;
+          for (Index j = 0; j < nk; ++j) {
+            double acc = 0;
+            for (Index x = 0; x < d; ++x) acc += static_cast<double>(q(bi, hi, i, x)) * static_cast<double>(k(bi, g, j, x));
+            acc *= scale;
+            if (bias != nullptr) acc += (*bias)(bi, hi, i, j);
+            const bool hidden = !visible(bi, hi, pos, j) || (!key_lengths.empty() && j >= key_lengths[static_cast<std::size_t>(bi)]);
+            seen = seen || !hidden;
+            s[static_cast<std::size_t>(j)] = hidden ? -kInf : score(acc, bi, hi, pos, j);
+            m = std::max(m, s[static_cast<std::size_t>(j)]);
+          }
+          const double sink = sinks.empty() ? -kInf : sinks[static_cast<std::size_t>(hi)];
+          if (!seen && sinks.empty()) continue;
+          m = std::max(m, sink);
+          double sum = sinks.empty() ? 0.0 : std::exp(sink - m);
+          for (Index j = 0; j < nk; ++j) sum += std::exp(s[static_cast<std::size_t>(j)] - m);
+          double* o = out.data() + ((bi * h + hi) * nq + i) * dv;
+          for (Index j = 0; j < nk; ++j) {
+            const double p = std::exp(s[static_cast<std::size_t>(j)] - m) / sum;
+            if (p == 0) continue;
+            for (Index x = 0; x < dv; ++x) o[x] += p * static_cast<double>(v(bi, g, j, x));
+          }
+        }
+      }
+    return out;
+  }
+};
+
+template <typename S>
+double max_abs_diff(const T4<S>& a, const std::vector<double>& b) {
+  double e = 0;
+  for (Index i = 0; i < a.size(); ++i) e = std::max(e, std::abs(static_cast<double>(a.data()[i]) - b[static_cast<std::size_t>(i)]));
+  return e;
+}
+
+template <typename S>
+T4<S> random4(sdpa_test::Rng& rng, Index a, Index b, Index c, Index d, double scale = 1.0) {
+  T4<S> t(a, b, c, d);
+  rng.fill_normal(t, scale);
+  return t;
+}
+
+template <typename S>
+bool same_bits(const T4<S>& a, const T4<S>& b) {
+  return a.dimensions() == b.dimensions() && std::equal(a.data(), a.data() + a.size(), b.data(), [](S x, S y) {
+           return std::memcmp(&x, &y, sizeof(S)) == 0;
+         });
+}
+
+// ---- Against PyTorch's flex_attention ----
+
+std::vector<std::string> fixture_names() {
+  std::vector<std::string> names;
+  const std::string dir = std::string(SDPA_FIXTURE_DIR) + "/flex";
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string n = e->d_name;
+      if (n.size() > 8 && n.substr(n.size() - 8) == ".sdpafix") names.push_back(n.substr(0, n.size() - 8));
+    }
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<Index> ints(const sdpa_test::Fixture& f, const std::string& name) {
+  const auto& a = f.get(name);
+  return std::vector<Index>(a.i64.begin(), a.i64.end());
+}
+
+// The program of a fixture's kind (scripts/make_flex_fixtures.py's numbering), its table (when it has one)
+// loaded into `table`.
+template <typename S>
+std::shared_ptr<const sdpa::ScoreProgram<S>> fixture_program(const sdpa_test::Fixture& f, flex::ScoreTable<S>& table,
+                                                              bool with_plan) {
+  const Index kind = f.integer("kind"), batch = f.integer("batch"), heads = f.integer("heads"), nq = f.integer("nq"),
+              nk = f.integer("nk");
+  if (f.has("table")) {
+    const auto& t = f.real("table", 2);
+    table = flex::ScoreTable<S>(t.dims[0], t.dims[1]);
+    for (Index i = 0; i < table.size(); ++i) table.values().data()[i] = static_cast<S>(t.f64[static_cast<std::size_t>(i)]);
+  }
+  const auto make = [&](auto score, auto mask) {
+    sdpa::BlockMask plan;
+    if constexpr (!std::is_same<decltype(mask), flex::all_visible>::value) {
+      if (with_plan) plan = mask.plan(batch, heads, nq, nk, 16, 8);
+    }
+    return flex::program<S>(score, mask, plan);
+  };
+  const flex::noop_score none;
+  switch (kind) {
+    case 1: return make(none, flex::causal{});
+    case 2: return make(none, flex::sliding_window{f.integer("left"), f.integer("right")});
+    case 3: return make(none, flex::chunked{f.integer("chunk")});
+    case 4: return make(none, flex::document(ints(f, "doc_ids"), batch));
+    case 5: return make(none, flex::and_masks(flex::document(ints(f, "doc_ids"), batch), flex::causal{}));
+    case 6: return make(none, flex::prefix_lm(ints(f, "prefix")));
+    case 7: return make(none, flex::tree(ints(f, "parents"), nk - nq, batch));
+    case 8: return make(flex::t5_buckets<S>{&table, true, f.integer("num_buckets"), f.integer("max_distance")}, flex::all_visible{});
+    case 9: return make(flex::t5_buckets<S>{&table, false, f.integer("num_buckets"), f.integer("max_distance")}, flex::causal{});
+    case 10: {
+      const auto& sl = f.real("slopes", 1);
+      return make(flex::alibi<S>(std::vector<S>(sl.f64.begin(), sl.f64.end())), flex::causal{});
+    }
+    case 11: return make(flex::softcap<S>{static_cast<S>(f.get("softcap").f64[0])}, flex::all_visible{});
+    case 12: return make(flex::distance_bias<S>{&table, f.integer("radius")}, flex::causal{});
+    case 13: {
+      // Written only here: a sigmoid-gated distance penalty.
+      const auto gated = [](auto s, Index, Index, Index q, Index k) {
+        const Index d = q - k;
+        return s - flex::sigmoid(s) * (static_cast<double>(d < 0 ? -d : d) / 8.0);
+      };
+      return flex::program<S>(gated);
+    }
+    case 14: {
+      // Written only here: every 4th key and the query's own, causal; its plan evaluated exactly.
+      const auto fourth = [](Index, Index, Index q, Index k) { return k <= q && (k % 4 == 0 || k == q); };
+      return flex::program<S>(flex::noop_score{}, fourth,
+                              with_plan ? sdpa::block_mask_from(fourth, 1, 1, nq, nk, 16, 8) : sdpa::BlockMask{});
+    }
+    case 15: {
+      const auto before = [](Index, Index, Index q, Index k) { return k < q; };
+      return flex::program<S>(flex::noop_score{}, before,
+                              with_plan ? sdpa::block_mask_from(before, 1, 1, nq, nk, 16, 8) : sdpa::BlockMask{});
+    }
+  }
+  ADD_FAILURE() << "unknown kind " << kind;
+  return nullptr;
+}
+
+template <typename S>
+double max_error(const T4<S>& a, const sdpa_test::Array& b) {
+  double e = 0;
+  for (Index i = 0; i < a.size(); ++i)
+    e = std::max(e, std::abs(static_cast<double>(a.data()[i]) - b.f64[static_cast<std::size_t>(i)]));
+  return e;
+}
+
+template <typename S>
+void check_fixture(const std::string& name, bool with_plan, double tol) {
+  SCOPED_TRACE(name + (with_plan ? " (plan)" : " (no plan)"));
+  const auto f = sdpa_test::Fixture::load(std::string(SDPA_FIXTURE_DIR) + "/flex/" + name + ".sdpafix");
+  const auto q = sdpa_test::to_tensor<S, 4>(f, "q"), k = sdpa_test::to_tensor<S, 4>(f, "k"),
+             v = sdpa_test::to_tensor<S, 4>(f, "v"), d_out = sdpa_test::to_tensor<S, 4>(f, "d_out");
+  flex::ScoreTable<S> table;
+  sdpa::AttentionOptions<S> o;
+  o.program = fixture_program<S>(f, table, with_plan);
+  ASSERT_NE(o.program, nullptr);
+  sdpa::AttentionState<S> state;
+  const T4<S> out = sdpa::attention(q, k, v, o, state);
+  const auto g = sdpa::attention_backward(d_out, state);
+  EXPECT_LE(max_error(out, f.real("out", 4)), tol);
+  EXPECT_LE(max_error(g.q, f.real("d_q", 4)), tol);
+  EXPECT_LE(max_error(g.k, f.real("d_k", 4)), tol);
+  EXPECT_LE(max_error(g.v, f.real("d_v", 4)), tol);
+  if (f.has("d_table")) {
+    ASSERT_EQ(g.tables.size(), 1u);
+    const auto& want = f.real("d_table", 2);
+    ASSERT_EQ(g.tables[0].size(), static_cast<Index>(want.f64.size()));
+    double e = 0;
+    for (Index i = 0; i < g.tables[0].size(); ++i)
+      e = std::max(e, std::abs(static_cast<double>(g.tables[0].data()[i]) - want.f64[static_cast<std::size_t>(i)]));
+    EXPECT_LE(e, tol) << "d_table";
+  } else {
+    EXPECT_TRUE(g.tables.empty());
+  }
+}
+
+TEST(FlexFixtures, EveryCaseInDoubleAndFloat) {
+  const auto names = fixture_names();
+  ASSERT_GE(names.size(), 20u) << "tests/fixtures/flex: scripts/make_flex_fixtures.py writes them";
+  for (const auto& name : names) {
+    check_fixture<double>(name, false, 1e-12);
+    check_fixture<double>(name, true, 1e-12);
+    check_fixture<float>(name, true, 2e-5);
+  }
+}
+
+// ---- Plans ----
+
+// exact: the analytic plan equals the evaluated one; otherwise it is sound (none and full where it says so,
+// "partly" anywhere), as the tree's is (it does not follow the parents).
+template <typename Mask>
+void expect_exact_plan(const char* name, const Mask& mask, Index batch, Index nq, Index nk, Index qb, Index kb,
+                       bool exact_plan = true) {
+  SCOPED_TRACE(name);
+  const sdpa::BlockMask analytic = mask.plan(batch, 1, nq, nk, qb, kb);
+  const sdpa::BlockMask exact = sdpa::block_mask_from(mask, analytic.batch(), 1, nq, nk, qb, kb);
+  if (exact_plan) {
+    EXPECT_TRUE(analytic == exact) << "nq " << nq << " nk " << nk << " blocks " << qb << "x" << kb;
+    return;
+  }
+  for (Index b = 0; b < exact.batch(); ++b)
+    for (Index i = 0; i < exact.q_blocks(); ++i)
+      for (Index j = 0; j < exact.k_blocks(); ++j) {
+        const sdpa::BlockState a = analytic.at(b, 0, i, j);
+        if (a != sdpa::BlockState::kPartial) EXPECT_EQ(a, exact.at(b, 0, i, j)) << "block " << i << ", " << j;
+      }
+}
+
+TEST(FlexPlans, AnalyticPlansAreExact) {
+  for (const auto& [nq, nk] : {std::pair<Index, Index>{64, 64}, {37, 100}, {100, 37}, {1, 77}})
+    for (const auto& [qb, kb] : {std::pair<Index, Index>{16, 16}, {8, 32}, {32, 8}, {7, 5}}) {
+      expect_exact_plan("flex::causal{}", flex::causal{}, 1, nq, nk, qb, kb);
+      expect_exact_plan("flex::sliding_window{5", flex::sliding_window{5, 0}, 1, nq, nk, qb, kb);
+      expect_exact_plan("flex::sliding_window{3", flex::sliding_window{3, 9}, 1, nq, nk, qb, kb);
+      expect_exact_plan("flex::sliding_window{-1", flex::sliding_window{-1, 2}, 1, nq, nk, qb, kb);
+      expect_exact_plan("flex::chunked{8}", flex::chunked{8}, 1, nq, nk, qb, kb);
+      expect_exact_plan("flex::chunked{13}", flex::chunked{13}, 1, nq, nk, qb, kb);
+      expect_exact_plan("flex::prefix_lm({5", flex::prefix_lm({5, 40}), 2, nq, nk, qb, kb);
+      std::vector<Index> ids;
+      for (Index b = 0; b < 2; ++b)
+        for (Index j = 0; j < nk; ++j) ids.push_back(b == 0 ? j / 11 : (j * j) % 5);  // sorted runs; scattered ids
+      expect_exact_plan("flex::document(ids", flex::document(ids, 2), 2, nq, nk, qb, kb);
+      expect_exact_plan("flex::and_masks(flex::document(ids", flex::and_masks(flex::document(ids, 2), flex::causal{}), 2, nq, nk, qb, kb);
+      expect_exact_plan("flex::or_masks(flex::sliding_window{2", flex::or_masks(flex::sliding_window{2, 0}, flex::prefix_lm({4})), 1, nq, nk, qb, kb);
+      if (nq <= nk) {
+        std::vector<Index> parents(static_cast<std::size_t>(nq));
+        for (Index i = 0; i < nq; ++i) parents[static_cast<std::size_t>(i)] = i == 0 ? -1 : (i * 7) % i - (i % 3 == 0 ? 1 : 0);
+        expect_exact_plan("flex::tree(parents, nk - nq)", flex::tree(parents, nk - nq), 1, nq, nk, qb, kb, false);
+      }
+    }
+}
+
+TEST(FlexPlans, APlanGivesTheBitsOfNoPlan) {
+  sdpa_test::Rng rng(7);
+  const Index b = 2, h = 3, nq = 150, nk = 170, d = 24;
+  const T4<float> q = random4<float>(rng, b, h, nq, d), k = random4<float>(rng, b, h, nk, d), v = random4<float>(rng, b, h, nk, d);
+  const T4<float> d_out = random4<float>(rng, b, h, nq, d);
+  std::vector<Index> ids;
+  for (Index bi = 0; bi < b; ++bi)
+    for (Index j = 0; j < nk; ++j) ids.push_back(bi == 0 ? j / 40 : j / 23);
+  const auto mask = flex::and_masks(flex::document(ids, b), flex::causal{});
+  for (const auto& [qb, kb] : {std::pair<Index, Index>{128, 128}, {16, 16}, {9, 31}}) {
+    SCOPED_TRACE(testing::Message() << "plan blocks " << qb << "x" << kb);
+    const sdpa::BlockMask plan = mask.plan(b, h, nq, nk, qb, kb);
+    sdpa::AttentionState<float> s0, s1;
+    const sdpa::AttentionOptions<float> o;
+    const T4<float> a = sdpa::attention(q, k, v, o, flex::noop_score{}, mask, nullptr, s0);
+    const T4<float> c = sdpa::attention(q, k, v, o, flex::noop_score{}, mask, &plan, s1);
+    EXPECT_TRUE(same_bits(a, c));
+    const auto ga = sdpa::attention_backward(d_out, s0), gc = sdpa::attention_backward(d_out, s1);
+    EXPECT_TRUE(same_bits(ga.q, gc.q));
+    EXPECT_TRUE(same_bits(ga.k, gc.k));
+    EXPECT_TRUE(same_bits(ga.v, gc.v));
+    Dense ref;
+    ref.visible = mask;
+    EXPECT_LE(max_abs_diff(a, ref.run(q, k, v)), 2e-6);
+  }
+}
+
+// ---- The fixed options and their built-in twins ----
+
+TEST(FlexTwins, FixedOptionsEqualTheirBuiltIns) {
+  sdpa_test::Rng rng(11);
+  const Index b = 2, h = 4, nq = 70, nk = 90, d = 16;
+  const T4<double> q = random4<double>(rng, b, h, nq, d, 2.0), k = random4<double>(rng, b, 2, nk, d, 2.0),
+                   v = random4<double>(rng, b, 2, nk, d);
+  const auto close = [](const T4<double>& x, const T4<double>& y) {
+    double e = 0;
+    for (Index i = 0; i < x.size(); ++i) e = std::max(e, std::abs(x.data()[i] - y.data()[i]));
+    return e;
+  };
+  sdpa::AttentionOptions<double> fixed;
+  fixed.causal = true;
+  EXPECT_LE(close(sdpa::attention(q, k, v, fixed), sdpa::attention(q, k, v, {}, flex::noop_score{}, flex::causal{})), 1e-14);
+  fixed = {};
+  fixed.causal = true;
+  fixed.window_left = 6;
+  EXPECT_LE(close(sdpa::attention(q, k, v, fixed), sdpa::attention(q, k, v, {}, flex::noop_score{}, flex::sliding_window{6, 0})),
+            1e-14);
+  fixed = {};
+  fixed.window_left = 3;
+  fixed.window_right = 5;
+  EXPECT_LE(close(sdpa::attention(q, k, v, fixed), sdpa::attention(q, k, v, {}, flex::noop_score{}, flex::sliding_window{3, 5})),
+            1e-14);
+  fixed = {};
+  fixed.alibi_slopes = sdpa::alibi_slopes<double>(h);
+  EXPECT_LE(close(sdpa::attention(q, k, v, fixed),
+                  sdpa::attention(q, k, v, {}, flex::alibi<double>(sdpa::alibi_slopes<double>(h)), flex::all_visible{})),
+            1e-14);
+  fixed = {};
+  fixed.softcap = 3.0;
+  EXPECT_LE(close(sdpa::attention(q, k, v, fixed), sdpa::attention(q, k, v, {}, flex::softcap<double>{3.0}, flex::all_visible{})),
+            1e-14);
+}
+
+// ---- Composition with the fixed options, against the dense reference ----
+
+TEST(FlexCompose, OptionsComposeWithFunctions) {
+  sdpa_test::Rng rng(3);
+  const Index b = 2, h = 4, kvh = 2, nq = 33, nk = 65, d = 8;
+  const T4<double> q = random4<double>(rng, b, h, nq, d), k = random4<double>(rng, b, kvh, nk, d), v = random4<double>(rng, b, kvh, nk, d);
+  const T4<double> bias = random4<double>(rng, b, h, nq, nk);
+  const auto score = [](auto s, Index bb, Index hh, Index qq, Index kk) {
+    return s * 0.5 + flex::tanh(s) + 0.01 * static_cast<double>((qq - kk) * (hh + 1) + bb);
+  };
+  const auto mask = [](Index bb, Index hh, Index qq, Index kk) { return (kk + hh + bb) % 3 != 0 || kk == qq; };
+  Dense ref;
+  ref.score = [&](double s, Index bb, Index hh, Index qq, Index kk) { return score(s, bb, hh, qq, kk); };
+  ref.visible = mask;
+  ref.key_lengths = {50, 65};
+  ref.bias = &bias;
+  ref.sinks = {0.5, -1.0, 2.0, 0.0};
+  sdpa::AttentionOptions<double> o;
+  o.key_lengths = ref.key_lengths;
+  o.attention_bias = &bias;
+  o.sinks = ref.sinks;
+  const T4<double> out = sdpa::attention(q, k, v, o, score, mask);
+  EXPECT_LE(max_abs_diff(out, ref.run(q, k, v)), 1e-13);
+  // The same in the (batch, seq, heads, dim) layout.
+  const Eigen::array<Index, 4> swap{0, 2, 1, 3};
+  T4<double> qt = q.shuffle(swap), kt = k.shuffle(swap), vt = v.shuffle(swap);
+  o.layout = sdpa::Layout::kBNHD;
+  const T4<double> out_t = sdpa::attention(qt, kt, vt, o, score, mask);
+  const T4<double> back = out_t.shuffle(swap);
+  EXPECT_LE(max_abs_diff(back, ref.run(q, k, v)), 1e-13);
+}
+
+// A mask that hides whole rows: the MaskedRows policy, as a mask tensor's.
+TEST(FlexCompose, RowsTheMaskHidesFollowThePolicy) {
+  sdpa_test::Rng rng(5);
+  const T4<double> q = random4<double>(rng, 1, 2, 20, 8), k = random4<double>(rng, 1, 2, 20, 8), v = random4<double>(rng, 1, 2, 20, 8);
+  const auto odd_rows_blind = [](Index, Index, Index qq, Index kk) { return qq % 2 == 0 && kk <= qq; };
+  sdpa::AttentionOptions<double> o;
+  o.masked_rows = sdpa::MaskedRows::kNaN;
+  const T4<double> out = sdpa::attention(q, k, v, o, flex::noop_score{}, odd_rows_blind);
+  for (Index i = 0; i < 20; ++i) EXPECT_EQ(std::isnan(out(0, 1, i, 3)), i % 2 == 1) << i;
+  o.masked_rows = sdpa::MaskedRows::kZero;
+  const T4<double> zero = sdpa::attention(q, k, v, o, flex::noop_score{}, odd_rows_blind);
+  for (Index i = 1; i < 20; i += 2) EXPECT_EQ(zero(0, 0, i, 0), 0.0);
+}
+
+// Packed sequences: the functions see each sequence as batch entry s, with its own positions.
+TEST(FlexCompose, PackedSequencesAreBatchEntries) {
+  sdpa_test::Rng rng(9);
+  const std::vector<Index> lq{5, 17, 9}, lk{12, 17, 30};
+  const Index h = 2, d = 8, tq = 31, tk = 59;
+  Eigen::Tensor<double, 3, Eigen::RowMajor> q(tq, h, d), k(tk, h, d), v(tk, h, d);
+  rng.fill_normal(q);
+  rng.fill_normal(k);
+  rng.fill_normal(v);
+  sdpa::AttentionOptions<double> o;
+  o.cu_seqlens_q = {0, 5, 22, 31};
+  o.cu_seqlens_k = {0, 12, 29, 59};
+  const auto score = [](auto s, Index b, Index, Index qq, Index kk) { return s + 0.1 * static_cast<double>(b * (qq - kk)); };
+  const auto mask = [](Index b, Index, Index qq, Index kk) { return kk <= qq && kk >= qq - 4 * (b + 1); };
+  o.program = flex::program<double>(score, mask);
+  const auto out = sdpa::attention_varlen(q, k, v, o);
+  for (std::size_t s = 0; s < 3; ++s) {
+    const Index q0 = o.cu_seqlens_q[s], k0 = o.cu_seqlens_k[s], nq = lq[s], nk = lk[s];
+    T4<double> qs(1, h, nq, d), ks(1, h, nk, d), vs(1, h, nk, d);
+    for (Index i = 0; i < nq; ++i)
+      for (Index hh = 0; hh < h; ++hh)
+        for (Index x = 0; x < d; ++x) qs(0, hh, i, x) = q(q0 + i, hh, x);
+    for (Index j = 0; j < nk; ++j)
+      for (Index hh = 0; hh < h; ++hh)
+        for (Index x = 0; x < d; ++x) {
+          ks(0, hh, j, x) = k(k0 + j, hh, x);
+          vs(0, hh, j, x) = v(k0 + j, hh, x);
+        }
+    Dense ref;
+    const Index seq = static_cast<Index>(s);
+    ref.score = [&](double sc, Index, Index hh, Index qq, Index kk) { return score(sc, seq, hh, qq, kk); };
+    ref.visible = [&](Index, Index hh, Index qq, Index kk) { return mask(seq, hh, qq, kk); };
+    const auto want = ref.run(qs, ks, vs);
+    double e = 0;
+    for (Index hh = 0; hh < h; ++hh)
+      for (Index i = 0; i < nq; ++i)
+        for (Index x = 0; x < d; ++x)
+          e = std::max(e, std::abs(out(q0 + i, hh, x) - want[static_cast<std::size_t>((hh * nq + i) * d + x)]));
+    EXPECT_LE(e, 1e-13) << "sequence " << s;
+  }
+}
+
+// ---- Gradients: the same bits on 1 and 2 threads ----
+
+TEST(FlexBackward, DeterministicAcrossThreads) {
+  sdpa_test::Rng rng(13);
+  const Index b = 2, h = 4, nq = 200, nk = 200, d = 32;
+  const T4<float> q = random4<float>(rng, b, h, nq, d), k = random4<float>(rng, b, 2, nk, d), v = random4<float>(rng, b, 2, nk, d),
+                  d_out = random4<float>(rng, b, h, nq, d);
+  flex::ScoreTable<float> table(h, 16);
+  for (Index i = 0; i < table.size(); ++i) table.values().data()[i] = static_cast<float>(rng.normal());
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice two(&pool, 2);
+  std::vector<sdpa::AttentionGradients<float>> grads;
+  const std::vector<const Eigen::ThreadPoolDevice*> devices{nullptr, &two};
+  for (const Eigen::ThreadPoolDevice* device : devices) {
+    sdpa::AttentionOptions<float> o;
+    o.device = device;
+    o.program = flex::program<float>(flex::t5_buckets<float>{&table, false, 16, 64}, flex::chunked{48});
+    sdpa::AttentionState<float> state;
+    sdpa::attention(q, k, v, o, state);
+    grads.push_back(sdpa::attention_backward(d_out, state));
+  }
+  EXPECT_TRUE(same_bits(grads[0].q, grads[1].q));
+  EXPECT_TRUE(same_bits(grads[0].k, grads[1].k));
+  EXPECT_TRUE(same_bits(grads[0].v, grads[1].v));
+  ASSERT_EQ(grads[0].tables.size(), 1u);
+  const auto& t0 = grads[0].tables[0];
+  const auto& t1 = grads[1].tables[0];
+  EXPECT_TRUE(std::equal(t0.data(), t0.data() + t0.size(), t1.data()));
+  double norm = 0;
+  for (Index i = 0; i < t0.size(); ++i) norm += std::abs(t0.data()[i]);
+  EXPECT_GT(norm, 0.0);
+}
+
+// ---- Refusals ----
+
+TEST(FlexRefusals, NameWhatIsWrong) {
+  sdpa_test::Rng rng(17);
+  const T4<float> q = random4<float>(rng, 1, 2, 10, 8), k = random4<float>(rng, 1, 2, 12, 8), v = random4<float>(rng, 1, 2, 12, 8);
+  const sdpa::BlockMask wrong = flex::causal{}.plan(1, 2, 10, 11, 4, 4);
+  expect_invalid([&] { sdpa::attention(q, k, v, {}, flex::noop_score{}, flex::causal{}, &wrong); },
+                 {"BlockMask's nk", "the call's keys 12", "11"});
+  const sdpa::BlockMask heads3(1, 3, 10, 12);
+  expect_invalid([&] { sdpa::attention(q, k, v, {}, flex::noop_score{}, flex::causal{}, &heads3); }, {"BlockMask's heads", "3"});
+  flex::ScoreTable<float> table(3, 8);
+  expect_invalid([&] { sdpa::attention(q, k, v, {}, flex::t5_buckets<float>{&table, true, 8, 16}, flex::all_visible{}); },
+                 {"t5_buckets' table", "(2, 8)", "(3, 8)"});
+  expect_invalid([&] { flex::tree({-1, 0, 2}, 9); }, {"parents[2]", "-1 or a draft before 2", "2"});
+  expect_invalid([&] { flex::tree({-1, -2}, 9); }, {"parents[1]"});
+  sdpa::AttentionOptions<float> o;
+  o.kernel = sdpa::Kernel::kReference;
+  expect_invalid([&] { sdpa::attention(q, k, v, o, flex::noop_score{}, flex::causal{}); }, {"kernel", "Kernel::kReference"});
+  expect_invalid([&] { flex::causal{}.plan(1, 1, 10, 10, 4, 4) & flex::causal{}.plan(1, 1, 10, 10, 4, 8); },
+                 {"blocks", "(4, 4)", "(4, 8)"});
+  // A table the function reads but the program does not list: the backward refuses.
+  flex::ScoreTable<float> hidden_table(2, 4, 0.5f);
+  const auto reads = [&hidden_table](auto s, Index, Index hh, Index, Index) { return s + hidden_table.at(s, hh, 1); };
+  sdpa::AttentionState<float> state;
+  sdpa::attention(q, k, v, {}, reads, flex::all_visible{}, nullptr, state);
+  const T4<float> d_out = random4<float>(rng, 1, 2, 10, 8);
+  expect_invalid([&] { sdpa::attention_backward(d_out, state); }, {"tables", "missing one the function read"});
+  // Listed, it has its gradient.
+  sdpa::AttentionOptions<float> listed;
+  listed.program = flex::program<float>(reads, flex::all_visible{}, sdpa::BlockMask{}, {&hidden_table});
+  sdpa::attention(q, k, v, listed, state);
+  const auto g = sdpa::attention_backward(d_out, state);
+  ASSERT_EQ(g.tables.size(), 1u);
+  EXPECT_EQ(g.tables[0].dimension(0), 2);
+  // The module takes no program (yet): refused, the module unchanged.
+  sdpa::ScaledDotProductAttention<float> m(16, 8, 8, 2);
+  m.eval();
+  Eigen::Tensor<float, 3, Eigen::RowMajor> x(1, 5, 16);
+  rng.fill_normal(x);
+  const auto before = m(x, x, x);
+  sdpa::AttentionOptions<float> mo;
+  mo.program = flex::program<float>(flex::noop_score{}, flex::causal{});
+  expect_invalid([&] { m(x, x, x, mo); }, {"program", "unset in a module call"});
+  const auto after = m(x, x, x);
+  EXPECT_TRUE(std::equal(before.data(), before.data() + before.size(), after.data()));
+}
+
+}  // namespace flex_test
