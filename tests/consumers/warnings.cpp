@@ -141,6 +141,20 @@ int exercise() {
   for (const auto* t : {&o, &grads.q, &grads.k, &grads.v})
     for (Eigen::Index i = 0; i < t->size(); ++i) (void)t->data()[i];
 
+  // Programmable attention: built-in and lambda functions, a plan, a table's gradient.
+  sdpa::flex::ScoreTable<Scalar> buckets(4, 8);
+  const auto mask = sdpa::flex::and_masks(sdpa::flex::document({0, 0, 0, 1, 1, 1, 1, 2, 2}), sdpa::flex::causal{});
+  const sdpa::BlockMask plan = mask.plan(2, 4, 9, 9, 4, 4);
+  const auto flexed = sdpa::attention(q, k, v, {}, sdpa::flex::t5_buckets<Scalar>{&buckets, true, 8, 16}, mask, &plan, state);
+  const auto flex_grads = sdpa::attention_backward(flexed, state);
+  const auto gated = [](auto s, Eigen::Index, Eigen::Index, Eigen::Index qi, Eigen::Index ki) {
+    return s - sdpa::flex::sigmoid(s) * static_cast<Scalar>(qi - ki);
+  };
+  const auto exact = sdpa::block_mask_from([](Eigen::Index, Eigen::Index, Eigen::Index qi, Eigen::Index ki) { return ki % 3 != 1 || ki == qi; },
+                                           1, 1, 9, 9, 4, 4);
+  const auto gated_out = sdpa::attention(q, k, v, {}, gated, sdpa::flex::all_visible{}, nullptr, state);
+  if (flex_grads.tables.size() != 1 || gated_out.size() == 0 || exact.count(sdpa::BlockState::kNone) < 0) return 1;
+
 #ifdef SDPA_CONSUMER_IO
   // A Hugging Face block from files that are not there: a clear exception, nothing loaded.
   try {
