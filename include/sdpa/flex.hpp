@@ -156,11 +156,12 @@ struct chunked {
 // Positions outside [0, n) see nothing.
 struct document {
   std::shared_ptr<const std::vector<Index>> ids;
+  const Index* data = nullptr;  // ids->data(): what the function reads (a plain pointer it can keep in a register)
   Index batch = 1, n = 0;
 
   document() = default;
   document(std::vector<Index> ids_, Index batch_ = 1)
-      : ids(std::make_shared<const std::vector<Index>>(std::move(ids_))), batch(batch_),
+      : ids(std::make_shared<const std::vector<Index>>(std::move(ids_))), data(ids->data()), batch(batch_),
         n(batch_ > 0 ? static_cast<Index>(ids->size()) / batch_ : 0) {
     if (batch_ < 1 || static_cast<Index>(ids->size()) % batch_ != 0)
       sdpa::detail::throw_invalid("flex::document", "ids", sdpa::detail::concat("batch (", batch_, ") rows of equal length"),
@@ -168,7 +169,7 @@ struct document {
   }
   bool operator()(Index b, Index, Index q, Index k) const noexcept {
     if (q < 0 || q >= n || k < 0 || k >= n) return false;
-    const Index* row = ids->data() + (batch == 1 ? 0 : b) * n;
+    const Index* row = data + (batch == 1 ? 0 : b) * n;
     return row[q] == row[k];
   }
   void check(const char* where, Index call_batch, Index, Index, Index nk) const {
@@ -247,6 +248,7 @@ struct prefix_lm {
 // (batch rows of n) or one tree for all. A draft sees every prefix key, its ancestors and itself.
 struct tree {
   std::shared_ptr<const std::vector<std::uint8_t>> ancestor;  // (batch, n, n): j is i or an ancestor of i
+  const std::uint8_t* data = nullptr;                         // ancestor->data()
   Index batch = 1, n = 0, prefix = 0;
 
   tree() = default;
@@ -269,12 +271,13 @@ struct tree {
         row[i] = 1;
       }
     ancestor = std::move(a);
+    data = ancestor->data();
   }
   bool operator()(Index b, Index, Index q, Index k) const noexcept {
     if (k < prefix) return true;
     const Index i = q - prefix, j = k - prefix;
     if (i < 0 || i >= n || j >= n) return false;
-    return (*ancestor)[static_cast<std::size_t>(((batch == 1 ? 0 : b) * n + i) * n + j)] != 0;
+    return data[((batch == 1 ? 0 : b) * n + i) * n + j] != 0;
   }
   void check(const char* where, Index call_batch, Index, Index nq, Index nk) const {
     if (batch != 1 && batch != call_batch)

@@ -92,8 +92,8 @@ class ScorePipeline {
       (void)pre;
     }
     if (!seg.solid && seg.holes != nullptr) {
-      const unsigned char* holes = seg.holes + seg.lo;
-      for (Index j = 0; j < m; ++j) y[j] = holes[j] != 0 ? -kInf : y[j];
+      const bool* holes = seg.holes + seg.lo;
+      for (Index j = 0; j < m; ++j) y[j] = holes[j] ? -kInf : y[j];
     } else if (!seg.solid) {
       // Holes in the mask inside the range: the mask decides each key.
       const BroadcastView<bool>& mask = p_.mask;

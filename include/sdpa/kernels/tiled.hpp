@@ -23,7 +23,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "sdpa/kernels/bf16_products.hpp"
@@ -63,7 +65,7 @@ struct Tile {
     const Segment& seg = segments[i];
     if (j < seg.lo || j >= seg.hi) return true;
     if (seg.solid) return false;
-    return seg.holes != nullptr ? seg.holes[j] != 0 : vis.masked(b, h, q0 + r0 + i, k0 + j);
+    return seg.holes != nullptr ? seg.holes[j] : vis.masked(b, h, q0 + r0 + i, k0 + j);
   }
 };
 
@@ -93,7 +95,7 @@ class TileScorer {
         products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, p_.compute, p_.bf16_path, c.pack_operands),
         k_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_k) : 0),
         v_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_v) : 0),
-        holes_(Program::kMask ? static_cast<std::size_t>(c.block_q * c.block_k) : 0),
+        holes_(Program::kMask ? new bool[static_cast<std::size_t>(c.block_q * c.block_k)] : nullptr),
         pre_buf_(Program::kScore && keep_pre ? static_cast<std::size_t>(c.block_q * lds_ + kLine) : 0) {}
 
   // Calls visit(tile) for every tile of (b, h) and the group rows q0 .. q0 + rows - 1 that some row sees,
@@ -127,8 +129,15 @@ class TileScorer {
     t.lds = lds_;
     t.pre = pre_buf_.empty() ? nullptr : aligned(pre_buf_);
     t.segments = segments_.data();
+    const BlockMask* plan = nullptr;
+    if constexpr (Program::kMask) plan = program()->plan();
     for (Index k0 = lo / bk_ * bk_; k0 < hi; k0 += bk_) {
       const Index cols = std::min(bk_, p_.nk - k0);
+      // A key block the plan hides from every row of the group is neither fetched nor packed.
+      if (plan != nullptr && plan->covering(b + p_.batch_base, h, q0, q0 + rows, k0, k0 + cols) == BlockState::kNone) {
+        if (count) stats_.tiles_skipped += (rows + bq_ - 1) / bq_;
+        continue;
+      }
       if (gathered()) {
         // Stored or paged keys and values: the block of this head widened or gathered once, then packed like
         // any other.
@@ -235,20 +244,64 @@ class TileScorer {
   // between.
   void ask_mask(const Tile<Scalar>& t, Index i, Segment& seg) {
     const Program& f = *program();
-    const Index q = t.q0 + t.r0 + i, bb = t.b + p_.batch_base, pos = p_.position(t.b, q);
-    unsigned char* hidden = holes_.data() + i * bk_;
-    for (Index j = seg.lo; j < seg.hi; ++j) hidden[j] = f.visible(bb, t.h, pos, t.k0 + j) ? 0 : 1;
+    const Index q = t.q0 + t.r0 + i, bb = t.b + p_.batch_base, pos = p_.position(t.b, q), k0 = t.k0;
+    bool* hidden = holes_.get() + i * bk_;
+    const Index lo = seg.lo, hi = seg.hi;
+    // The keys kept, counted as they are marked (locals only: the loops store nothing else).
+    Index kept = 0;
+    const auto ask = [&](Index j0, Index j1) SDPA_ALWAYS_INLINE_LAMBDA {
+      Index n = 0;
+      for (Index j = j0; j < j1; ++j) {
+        const bool v = f.visible(bb, t.h, pos, k0 + j);
+        hidden[j] = !v;
+        n += v ? 1 : 0;
+      }
+      kept += n;
+    };
+    const BlockMask* plan = f.plan();
+    if (plan == nullptr) {
+      ask(lo, hi);
+    } else {
+      // The plan's own blocks inside the tile: the function is asked only where the row's block is partly
+      // visible.
+      const Index qb = q / plan->q_block(), kblock = plan->k_block();
+      for (Index j0 = lo; j0 < hi;) {
+        const Index key = k0 + j0, j1 = std::min(hi, (key / kblock + 1) * kblock - k0);
+        const BlockState state = plan->at(bb, t.h, qb, key / kblock);
+        if (state == BlockState::kPartial) {
+          ask(j0, j1);
+        } else {
+          std::fill(hidden + j0, hidden + j1, state == BlockState::kNone);
+          if (state == BlockState::kFull) kept += j1 - j0;
+        }
+        j0 = j1;
+      }
+    }
     if (!seg.solid)
-      for (Index j = seg.lo; j < seg.hi; ++j) hidden[j] = static_cast<unsigned char>(hidden[j] | (vis_.masked(t.b, t.h, q, t.k0 + j) ? 1 : 0));
-    while (seg.lo < seg.hi && hidden[seg.lo] != 0) ++seg.lo;
-    while (seg.hi > seg.lo && hidden[seg.hi - 1] != 0) --seg.hi;
-    if (seg.none()) {
+      for (Index j = lo; j < hi; ++j)
+        if (!hidden[j] && vis_.masked(t.b, t.h, q, k0 + j)) {
+          hidden[j] = true;
+          --kept;
+        }
+    if (kept == 0) {
       seg = Segment{};
       return;
     }
-    unsigned holes = 0;
-    for (Index j = seg.lo; j < seg.hi; ++j) holes |= hidden[j];
-    seg.solid = holes == 0;
+    // The first and the last key kept (a bool is one byte, 0 for false), then holes when fewer were kept
+    // than lie between them.
+    Index first = lo, last = hi;
+    if (const void* found = std::memchr(hidden + lo, 0, static_cast<std::size_t>(hi - lo)))
+      first = static_cast<const bool*>(found) - hidden;
+    while (last - 8 >= first) {
+      std::uint64_t word;
+      std::memcpy(&word, hidden + last - 8, 8);
+      if (word != 0x0101010101010101ull) break;
+      last -= 8;
+    }
+    while (hidden[last - 1]) --last;
+    seg.lo = first;
+    seg.hi = last;
+    seg.solid = kept == last - first;
     seg.holes = seg.solid ? nullptr : hidden;
   }
 
@@ -263,7 +316,9 @@ class TileScorer {
   TileStats stats_;
   std::vector<Scalar> k_wide_, v_wide_;  // a stored or paged problem's current key block, gathered (block_k x d)
   Index wide_k0_ = 0;
-  std::vector<unsigned char> holes_;     // a program's hidden keys: per tile row, one byte per key of the block
+  // A program's hidden keys: per tile row, one per key of the block (bool, whose stores the compiler knows
+  // do not alias the mask function's data, as char stores would).
+  std::unique_ptr<bool[]> holes_;
   std::vector<Scalar> pre_buf_;          // keep_pre: one tile of the scores before the score function
 };
 

@@ -150,12 +150,12 @@ class Visibility {
   // `none` when the mask hides all of them. `first_last` narrows [lo, hi) to the first and last visible key
   // when the row is not solid (reading the mask).
   // `holes`, when set (a program's mask function, kernels/program.hpp), marks the hidden keys of a segment
-  // that is not solid, one byte per key, indexed like the segment's lo and hi; otherwise the mask tensor
+  // that is not solid, one per key, indexed like the segment's lo and hi; otherwise the mask tensor
   // does.
   struct Segment {
     Index lo = 0, hi = 0;
     bool solid = true;
-    const unsigned char* holes = nullptr;
+    const bool* holes = nullptr;
     bool none() const noexcept { return hi <= lo; }
   };
   Segment segment(const KeyRange& r, Index b, Index h, Index q, Index k0, Index n) const noexcept {
