@@ -12,6 +12,8 @@
 //   - refusals: a plan of another shape, a table of the wrong shape, tree parents, the reference kernel, a
 //     module call, an unlisted table.
 #include "sdpa/flex.hpp"
+#include "sdpa/kv_cache.hpp"
+#include "sdpa/paged_kv_cache.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
 
 #include <gtest/gtest.h>
@@ -470,6 +472,167 @@ TEST(FlexBackward, DeterministicAcrossThreads) {
   EXPECT_GT(norm, 0.0);
 }
 
+// ---- The module and its caches ----
+
+using Module = sdpa::ScaledDotProductAttention<double>;
+using T3 = Eigen::Tensor<double, 3, Eigen::RowMajor>;
+
+Module make_module(sdpa_test::Rng& rng, Eigen::Index kv_heads = 0) {
+  Module m(32, 8, 8, 4, 0.0, kv_heads);
+  sdpa_test::randomize_module(m, rng);
+  m.eval();
+  return m;
+}
+
+double max_diff3(const T3& a, const T3& b) {
+  double e = 0;
+  for (Index i = 0; i < a.size(); ++i) e = std::max(e, std::abs(a.data()[i] - b.data()[i]));
+  return e;
+}
+
+// A program's forward and backward through the module equal the fixed options they copy; a table's
+// gradient equals the finite difference of the loss.
+TEST(FlexModule, ForwardBackwardAndTableGradients) {
+  sdpa_test::Rng rng(21);
+  const Module m = make_module(rng, 2);
+  T3 x(2, 13, 32), y(2, 17, 32), d_out(2, 13, 32);
+  rng.fill_normal(x);
+  rng.fill_normal(y);
+  rng.fill_normal(d_out);
+  sdpa::AttentionOptions<double> fixed;
+  fixed.causal = true;
+  fixed.alibi_slopes = sdpa::alibi_slopes<double>(4);
+  sdpa::AttentionOptions<double> programmed;
+  programmed.program = flex::program<double>(flex::alibi<double>(sdpa::alibi_slopes<double>(4)), flex::causal{});
+  sdpa::ForwardState<double> s0, s1;
+  const T3 a = m.forward(x, y, y, fixed, s0), b = m.forward(x, y, y, programmed, s1);
+  EXPECT_LE(max_diff3(a, b), 1e-13);
+  const auto ga = m.backward(d_out, s0), gb = m.backward(d_out, s1);
+  EXPECT_LE(max_diff3(ga.queries, gb.queries), 1e-12);
+  EXPECT_LE(max_diff3(ga.keys, gb.keys), 1e-12);
+  double e = 0;
+  for (Index i = 0; i < ga.fc_k.weight.size(); ++i) e = std::max(e, std::abs(ga.fc_k.weight.data()[i] - gb.fc_k.weight.data()[i]));
+  EXPECT_LE(e, 1e-12);
+
+  // T5 buckets: d loss / d table against central differences of loss = sum(out * d_out).
+  flex::ScoreTable<double> table(4, 8);
+  for (Index i = 0; i < table.size(); ++i) table.values().data()[i] = rng.normal();
+  sdpa::AttentionOptions<double> t5;
+  t5.program = flex::program<double>(flex::t5_buckets<double>{&table, true, 8, 12}, flex::all_visible{});
+  sdpa::ForwardState<double> st;
+  m.forward(x, y, y, t5, st);
+  const auto g = m.backward(d_out, st);
+  ASSERT_EQ(g.tables.size(), 1u);
+  const auto loss = [&] {
+    const T3 o = m.forward(x, y, y, t5);
+    double l = 0;
+    for (Index i = 0; i < o.size(); ++i) l += o.data()[i] * d_out.data()[i];
+    return l;
+  };
+  for (const auto& [r, c] : {std::pair<Index, Index>{0, 0}, {1, 3}, {3, 7}, {2, 5}}) {
+    const double keep = table(r, c), step = 1e-5;
+    table(r, c) = keep + step;
+    const double up = loss();
+    table(r, c) = keep - step;
+    const double down = loss();
+    table(r, c) = keep;
+    EXPECT_NEAR(g.tables[0](r, c), (up - down) / (2 * step), 1e-7) << "table(" << r << ", " << c << ")";
+  }
+}
+
+// Cache steps give a program absolute positions, also after a window dropped the first entries: the rows
+// of one forward over the whole sequence.
+TEST(FlexModule, CacheStepsSeeAbsolutePositions) {
+  sdpa_test::Rng rng(23);
+  const Module m = make_module(rng, 2);
+  const Index n = 40;
+  T3 x(2, n, 32);
+  rng.fill_normal(x);
+  const auto mask = [](Index b, Index, Index q, Index k) { return k % 3 != 1 || k == q || b == 1; };
+  const auto score = [](auto s, Index, Index h, Index q, Index k) { return s - 0.05 * static_cast<double>((h + 1) * (q - k)); };
+  sdpa::AttentionOptions<double> o;
+  o.causal = true;
+  o.window_left = 9;  // the cache keeps at most 10 entries
+  o.program = flex::program<double>(score, mask);
+  const T3 whole = m.forward(x, x, x, o);
+  sdpa::KVCache<double> cache(m, 2, 64);
+  const std::vector<Index> chunks{1, 5, 16, 1, 3, 14};
+  Index at = 0;
+  for (Index c : chunks) {
+    const Eigen::array<Index, 3> off{0, at, 0}, ext{2, c, 32};
+    const T3 part = x.slice(off, ext);
+    const T3 out = m.step(part, cache, o);
+    T3 want = whole.slice(off, ext);
+    EXPECT_LE(max_diff3(out, want), 1e-12) << "chunk at " << at;
+    at += c;
+  }
+  EXPECT_GT(cache.first_position(), 0);
+}
+
+// A tree of 16 drafts verified in one step equals decoding each draft's path token by token.
+TEST(FlexModule, TreeStepEqualsDecodingEachPath) {
+  sdpa_test::Rng rng(29);
+  const Module m = make_module(rng);
+  const Index prefix = 23, drafts = 16;
+  T3 x(1, prefix, 32), d(1, drafts, 32);
+  rng.fill_normal(x);
+  rng.fill_normal(d);
+  const std::vector<Index> parents{-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 9, 4, 2, 7, 13, 0};
+  sdpa::KVCache<double> cache(m, 1, 64);
+  m.step(x, cache);
+  sdpa::AttentionOptions<double> o;
+  o.program = flex::program<double>(flex::noop_score{}, flex::tree(parents, prefix));
+  const T3 verified = m.step(d, cache, o);
+  for (Index i = 0; i < drafts; ++i) {
+    std::vector<Index> path;
+    for (Index j = i; j >= 0; j = parents[static_cast<std::size_t>(j)]) path.insert(path.begin(), j);
+    cache.truncate(prefix);
+    T3 out;
+    for (Index j : path) {
+      const Eigen::array<Index, 3> off{0, j, 0}, ext{1, 1, 32};
+      const T3 token = d.slice(off, ext);
+      out = m.step(token, cache);
+    }
+    double e = 0;
+    for (Index c = 0; c < 32; ++c) e = std::max(e, std::abs(out(0, 0, c) - verified(0, i, c)));
+    EXPECT_LE(e, 1e-12) << "draft " << i;
+  }
+}
+
+// The paged ragged step: each sequence as batch entry i of the step, at its own absolute positions.
+TEST(FlexModule, PagedStepEqualsOneCachePerSequence) {
+  sdpa_test::Rng rng(31);
+  const Module m = make_module(rng, 2);
+  const auto mask = [](Index b, Index, Index q, Index k) { return (k + b) % 4 != 2 || k == q; };
+  sdpa::AttentionOptions<double> o;
+  o.program = flex::program<double>(flex::noop_score{}, mask);
+  sdpa::PagedKVCache<double> paged(m, 16, 32);
+  const auto sa = paged.add_sequence(), sb = paged.add_sequence();
+  std::vector<sdpa::KVCache<double>> own;
+  own.emplace_back(m, 1, 64);
+  own.emplace_back(m, 1, 64);
+  T3 first(1, 11, 32);
+  rng.fill_normal(first);
+  m.step(first, paged, {sa}, o);  // sequence a is 11 tokens ahead (and batch entry 0 of that step)
+  sdpa::AttentionOptions<double> as_entry0;
+  as_entry0.program = flex::program<double>(flex::noop_score{}, [&](Index, Index h, Index q, Index k) { return mask(0, h, q, k); });
+  m.step(first, own[0], as_entry0);
+  for (int round = 0; round < 3; ++round) {
+    T3 x(2, 3, 32);
+    rng.fill_normal(x);
+    const T3 out = m.step(x, paged, {sa, sb}, o);
+    for (Index i = 0; i < 2; ++i) {
+      const Eigen::array<Index, 3> off{i, 0, 0}, ext{1, 3, 32};
+      const T3 xi = x.slice(off, ext);
+      sdpa::AttentionOptions<double> oi;
+      oi.program = flex::program<double>(flex::noop_score{}, [&, i](Index, Index h, Index q, Index k) { return mask(i, h, q, k); });
+      const T3 want = m.step(xi, own[static_cast<std::size_t>(i)], oi);
+      const T3 got = out.slice(off, ext);
+      EXPECT_LE(max_diff3(got, want), 1e-12) << "round " << round << " sequence " << i;
+    }
+  }
+}
+
 // ---- Refusals ----
 
 TEST(FlexRefusals, NameWhatIsWrong) {
@@ -504,17 +667,18 @@ TEST(FlexRefusals, NameWhatIsWrong) {
   const auto g = sdpa::attention_backward(d_out, state);
   ASSERT_EQ(g.tables.size(), 1u);
   EXPECT_EQ(g.tables[0].dimension(0), 2);
-  // The module takes no program (yet): refused, the module unchanged.
+  // A refused cache step leaves the cache as it was.
   sdpa::ScaledDotProductAttention<float> m(16, 8, 8, 2);
   m.eval();
   Eigen::Tensor<float, 3, Eigen::RowMajor> x(1, 5, 16);
   rng.fill_normal(x);
-  const auto before = m(x, x, x);
+  sdpa::KVCache<float> cache(m, 1, 16);
+  m.step(x, cache);
   sdpa::AttentionOptions<float> mo;
-  mo.program = flex::program<float>(flex::noop_score{}, flex::causal{});
-  expect_invalid([&] { m(x, x, x, mo); }, {"program", "unset in a module call"});
-  const auto after = m(x, x, x);
-  EXPECT_TRUE(std::equal(before.data(), before.data() + before.size(), after.data()));
+  mo.program = flex::program<float>(flex::noop_score{}, flex::tree({-1, 0}, 5));
+  expect_invalid([&] { m.step(x, cache, mo); }, {"the call's queries", "at most the tree's drafts 2", "5"});
+  EXPECT_EQ(cache.size(), 5);
+  EXPECT_EQ(cache.position(), 5);
 }
 
 }  // namespace flex_test

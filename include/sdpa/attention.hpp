@@ -150,8 +150,6 @@ void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>&
                   "set: it is an option of sdpa::attention only");
   if (!module_call) check_compute<Scalar>(where, o.compute, o.kernel, /*keeps_state=*/false);
   if (o.program != nullptr) {
-    if (module_call)
-      throw_invalid(where, "program", "unset in a module call", "set: score programs run through sdpa::attention and attention_varlen");
     if (o.kernel == Kernel::kReference)
       throw_invalid(where, "kernel", "Kernel::kAuto or Kernel::kTiled with a score program", "Kernel::kReference");
     o.program->check(where, c.batch, c.heads, c.nq, c.nk, o.packed());
@@ -312,6 +310,50 @@ kernels::BackwardStatus run_packed_backward(const kernels::BackwardProblem<Scala
   }
   return status;
 }
+
+// The gradients of a score program's tables (ScoreProgram::table_dims): one buffer for the backward kernels
+// (BackwardProblem::d_tables), split into one (rows, cols) tensor per table when the backward is done.
+template <typename Scalar>
+class ProgramTables {
+ public:
+  using Index = Eigen::Index;
+  using Table = Eigen::Tensor<Scalar, 2, Eigen::RowMajor>;
+
+  explicit ProgramTables(const ScoreProgram<Scalar>* program) {
+    const Index n = program != nullptr ? program->table_count() : 0;
+    for (Index i = 0; i < n; ++i) {
+      const std::array<Index, 2> d = program->table_dims(i);
+      dims_.push_back(d);
+      size_ += d[0] * d[1];
+    }
+    flat_.assign(static_cast<std::size_t>(size_), Scalar(0));
+  }
+  Scalar* data() noexcept { return size_ > 0 ? flat_.data() : nullptr; }
+  Index size() const noexcept { return size_; }
+
+  // Refuses a backward that lost table gradients (std::invalid_argument, naming `where`); else the tables.
+  std::vector<Table> finish(const kernels::BackwardStatus& status, const char* where) const {
+    if (status.unlisted_table)
+      throw_invalid(where, "the score program's tables", "every ScoreTable its score function reads",
+                    "missing one the function read (list it when making the program)");
+    if (status.too_many_reads)
+      throw_invalid(where, "the score function's table reads per score", concat("at most ", flex::Dual<Scalar>::kTangents - 1),
+                    "more");
+    std::vector<Table> tables;
+    Index offset = 0;
+    for (const auto& d : dims_) {
+      tables.emplace_back(d[0], d[1]);
+      if (d[0] * d[1] > 0) std::copy_n(flat_.data() + offset, d[0] * d[1], tables.back().data());
+      offset += d[0] * d[1];
+    }
+    return tables;
+  }
+
+ private:
+  std::vector<std::array<Index, 2>> dims_;
+  std::vector<Scalar> flat_;
+  Index size_ = 0;
+};
 
 // Rotates rows [0, n) of heads `heads` (row i at position first + i): once per batch entry, or for packed
 // sequences (cu given) each sequence's rows from its own positions (queries first = nk_s - nq_s: pass the
@@ -744,20 +786,11 @@ AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, cons
     for (std::size_t i = 0; i < 4; ++i) bp.bias_dims[i] = g.attention_bias.dimension(i);
   }
   if (p.sinks != nullptr) bp.d_sinks = g.sinks.data();
-  // A score program's tables: their gradients one after the other, then split.
-  std::vector<Scalar> d_tables;
-  const Index tables = o.program != nullptr ? o.program->table_count() : 0;
-  for (Index i = 0; i < tables; ++i) {
-    const std::array<Index, 2> dims = o.program->table_dims(i);
-    g.tables.emplace_back(dims[0], dims[1]);
-  }
-  Index table_elements = 0;
-  for (const auto& t : g.tables) table_elements += t.size();
-  d_tables.assign(static_cast<std::size_t>(table_elements), Scalar(0));
-  if (table_elements > 0) bp.d_tables = d_tables.data();
+  detail::ProgramTables<Scalar> tables(o.program.get());
+  bp.d_tables = tables.data();
   kernels::BackwardStatus status;
   if (o.packed()) {
-    status = detail::run_packed_backward(bp, o.cu_seqlens_q, o.cu_seqlens_k, o.kernel, o.device, table_elements);
+    status = detail::run_packed_backward(bp, o.cu_seqlens_q, o.cu_seqlens_k, o.kernel, o.device, tables.size());
   } else if (c.batch > 0 && c.heads > 0) {
     status = detail::run_attention_backward(bp, o.kernel, o.device);
   } else {
@@ -765,17 +798,7 @@ AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, cons
     if (g.k.size() > 0) g.k.setZero();
     if (g.v.size() > 0) g.v.setZero();
   }
-  if (status.unlisted_table)
-    detail::throw_invalid(where, "the score program's tables", "every ScoreTable its score function reads",
-                          "missing one the function read (list it when making the program)");
-  if (status.too_many_reads)
-    detail::throw_invalid(where, "the score function's table reads per score",
-                          detail::concat("at most ", flex::Dual<Scalar>::kTangents - 1), "more");
-  Index offset = 0;
-  for (auto& t : g.tables) {
-    if (t.size() > 0) std::copy_n(d_tables.data() + offset, t.size(), t.data());
-    offset += t.size();
-  }
+  g.tables = tables.finish(status, where);
   // The gradients of the rotated q and k, rotated back.
   if (s.has_rotary_) {
     const bool packed = o.packed();

@@ -243,9 +243,10 @@ struct prefix_lm {
   }
 };
 
-// A tree of draft tokens (speculative decoding): the call's last n queries are drafts at positions
-// prefix + i, with parents[i] an index j < i among the drafts or -1 (a root on the prefix); per batch entry
-// (batch rows of n) or one tree for all. A draft sees every prefix key, its ancestors and itself.
+// A tree of draft tokens (speculative decoding): n drafts at positions prefix + i (the call's last
+// queries: in sdpa::attention prefix = nk - n; in a cache step, the cache's position before the step), with
+// parents[i] an index j < i among the drafts or -1 (a root on the prefix); per batch entry (batch rows of
+// n) or one tree for all. A draft sees every prefix key, its ancestors and itself.
 struct tree {
   std::shared_ptr<const std::vector<std::uint8_t>> ancestor;  // (batch, n, n): j is i or an ancestor of i
   const std::uint8_t* data = nullptr;                         // ancestor->data()
@@ -279,11 +280,9 @@ struct tree {
     if (i < 0 || i >= n || j >= n) return false;
     return data[((batch == 1 ? 0 : b) * n + i) * n + j] != 0;
   }
-  void check(const char* where, Index call_batch, Index, Index nq, Index nk) const {
+  void check(const char* where, Index call_batch, Index, Index nq, Index) const {
     if (batch != 1 && batch != call_batch)
       sdpa::detail::throw_invalid(where, "flex::tree's batch", sdpa::detail::concat("1 or the call's ", call_batch), batch);
-    if (prefix + n != nk)
-      sdpa::detail::throw_invalid(where, "flex::tree's prefix + drafts", sdpa::detail::concat("the call's keys ", nk), prefix + n);
     if (nq > n) sdpa::detail::throw_invalid(where, "the call's queries", sdpa::detail::concat("at most the tree's drafts ", n), nq);
   }
   BlockMask plan(Index, Index, Index nq, Index nk, Index q_block = 128, Index k_block = 128) const {

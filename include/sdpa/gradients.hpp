@@ -27,6 +27,8 @@ struct Gradients {
   // The given tensors' shapes (broadcast dimensions summed); empty when not given.
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor> attention_weights, attention_bias;
   std::vector<Scalar> sinks;  // one per query head when the call had sinks, else empty
+  // One per ScoreTable the call's score program reads (AttentionOptions::program), in its order.
+  std::vector<Eigen::Tensor<Scalar, 2, Eigen::RowMajor>> tables;
 
   // The parameter gradients by state_dict name, in the module's order ("fc_q.weight", "fc_q.bias", ...).
   std::vector<ParameterRef<Scalar>> named_parameters() {

@@ -890,10 +890,12 @@ class ScaledDotProductAttention {
       bp.d_bias = g.attention_bias.data();
       for (std::size_t i = 0; i < 4; ++i) bp.bias_dims[i] = g.attention_bias.dimension(i);
     }
-    if (options.packed())
-      detail::run_packed_backward(bp, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device);
-    else
-      detail::run_attention_backward(bp, kernel_, device);
+    detail::ProgramTables<Scalar> tables(options.program.get());
+    bp.d_tables = tables.data();
+    const kernels::BackwardStatus status =
+        options.packed() ? detail::run_packed_backward(bp, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device, tables.size())
+                         : detail::run_attention_backward(bp, kernel_, device);
+    g.tables = tables.finish(status, where);
     // The gradients of the rotated queries and keys, rotated back: those of the projections' outputs.
     rotate_projected(dq.data(), hq, dk.data(), kk, batch, nq, nk, options, /*inverse=*/true);
 
@@ -1075,6 +1077,7 @@ class ScaledDotProductAttention {
     const Index hk = kv_heads_ * d_k_, kv = kv_heads_ * d_v_;
     kernels::AttentionProblem<Scalar> p =
         detail::problem_of(call_shape(where, batch, nq, nk), options, masked_rows_, causal, nk - nq);
+    p.key_base = cache.first_position();  // a score program's positions are absolute
     p.q = {q, nq * hq, hq, d_k_};
     if (cache.narrow()) {
       // Entries stored narrower than Scalar: the kernels widen them a block at a time.
@@ -1211,7 +1214,8 @@ class ScaledDotProductAttention {
       kernels::project_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
     // Each sequence's new rows at its own positions, then into its blocks.
     std::vector<const Index*> tables(static_cast<std::size_t>(n_seq));
-    std::vector<Index> lengths(static_cast<std::size_t>(n_seq)), offsets(static_cast<std::size_t>(n_seq));
+    std::vector<Index> lengths(static_cast<std::size_t>(n_seq)), offsets(static_cast<std::size_t>(n_seq)),
+        bases(static_cast<std::size_t>(n_seq));
     for (Index i = 0; i < n_seq; ++i) {
       typename PagedKVCache<Scalar>::Sequence& s = cache.find(where, ids[static_cast<std::size_t>(i)]);
       rotate(sk + i * t * hk, 1, 0, t, hk, kv_heads_, s.position);
@@ -1223,6 +1227,7 @@ class ScaledDotProductAttention {
       tables[static_cast<std::size_t>(i)] = s.blocks.data();
       lengths[static_cast<std::size_t>(i)] = s.size;
       offsets[static_cast<std::size_t>(i)] = s.size - t;
+      bases[static_cast<std::size_t>(i)] = s.position - s.size;  // a score program's positions are absolute
     }
 
     // The attention of each sequence's queries to its own entries: batch entry i is sequence ids[i], its keys
@@ -1231,6 +1236,7 @@ class ScaledDotProductAttention {
     own.key_lengths = lengths;
     kernels::AttentionProblem<Scalar> p = detail::problem_of(call_shape(where, n_seq, t, nk), own, masked_rows_, true, 0);
     p.query_offsets = offsets.data();
+    p.key_bases = bases.data();
     p.q = {q, t * hq, hq, d_k_};
     p.block_tables = tables.data();
     p.block_rows = cache.block_size();

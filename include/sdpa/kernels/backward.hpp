@@ -415,7 +415,8 @@ class TiledBackward {
   void through_score_function(const Tile<Scalar>& t, Index i, Index query, const Segment& seg, Scalar* dr) {
     const Program& f = *scorer_.program();
     const Scalar* pre = t.pre_row(i);
-    const Index bb = t.b + p_.batch_base, pos = p_.position(t.b, query), first_key = t.k0 + t.j0;
+    const Index bb = t.b + p_.batch_base, base = p_.base(t.b), pos = p_.position(t.b, query) + base;
+    const Index first_key = t.k0 + t.j0 + base;
     flex::detail::TableTape& tape = flex::detail::table_tape();
     for (Index j = seg.lo; j < seg.hi; ++j) {
       const Scalar g = dr[j];

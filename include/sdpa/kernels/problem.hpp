@@ -93,8 +93,12 @@ struct AttentionProblem {
   // The checked call's score program (sdpa/flex/score_program.hpp), or none: the entry points hand the
   // problem to it, and it runs the kernels instantiated for its functions (kernels/program.hpp). Those are
   // told batch entry b is b + batch_base (a packed call's sequence runs as a batch of one at its index).
+  // Positions as the program sees them are key_base(b) more than the kernel's (a cache that dropped its
+  // first entries, a ring block's keys): q' + key_base(b) and k + key_base(b).
   const ScoreProgram<Scalar>* program = nullptr;
   Index batch_base = 0;
+  Index key_base = 0;
+  const Index* key_bases = nullptr;  // one per batch entry instead
 
   bool dropout = false;            // training mode with p > 0
   DropoutSampler sampler{0, 0, 0.0};
@@ -122,6 +126,7 @@ struct AttentionProblem {
   }
   Index offset(Index b) const noexcept { return query_offsets != nullptr ? query_offsets[b] : query_offset; }
   Index position(Index b, Index query) const noexcept { return query + offset(b); }
+  Index base(Index b) const noexcept { return key_bases != nullptr ? key_bases[b] : key_base; }
   const Scalar* key_row(Index b, Index h, Index i) const noexcept { return k.row(b, h / kv_group, row_of(b, i)); }
   const Scalar* value_row(Index b, Index h, Index i) const noexcept { return v.row(b, h / kv_group, row_of(b, i)); }
   Index kv_heads() const noexcept { return heads / kv_group; }

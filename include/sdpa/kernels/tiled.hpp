@@ -244,7 +244,8 @@ class TileScorer {
   // between.
   void ask_mask(const Tile<Scalar>& t, Index i, Segment& seg) {
     const Program& f = *program();
-    const Index q = t.q0 + t.r0 + i, bb = t.b + p_.batch_base, pos = p_.position(t.b, q), k0 = t.k0;
+    const Index q = t.q0 + t.r0 + i, bb = t.b + p_.batch_base, base = p_.base(t.b), pos = p_.position(t.b, q) + base;
+    const Index k0 = t.k0, key0 = k0 + base;
     bool* hidden = holes_.get() + i * bk_;
     const Index lo = seg.lo, hi = seg.hi;
     // The keys kept, counted as they are marked (locals only: the loops store nothing else).
@@ -252,7 +253,7 @@ class TileScorer {
     const auto ask = [&](Index j0, Index j1) SDPA_ALWAYS_INLINE_LAMBDA {
       Index n = 0;
       for (Index j = j0; j < j1; ++j) {
-        const bool v = f.visible(bb, t.h, pos, k0 + j);
+        const bool v = f.visible(bb, t.h, pos, key0 + j);
         hidden[j] = !v;
         n += v ? 1 : 0;
       }
