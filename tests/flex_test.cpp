@@ -351,6 +351,53 @@ TEST(FlexTwins, FixedOptionsEqualTheirBuiltIns) {
             1e-14);
 }
 
+// Dropout and the probabilities: a program's causal mask draws and reports what options.causal does.
+TEST(FlexTwins, DropoutAndProbabilitiesFollowTheProgram) {
+  sdpa_test::Rng rng(41);
+  const Index b = 1, h = 2, n = 150, d = 16;
+  const T4<double> q = random4<double>(rng, b, h, n, d), k = random4<double>(rng, b, h, n, d), v = random4<double>(rng, b, h, n, d),
+                   d_out = random4<double>(rng, b, h, n, d);
+  T4<double> p_fixed, p_flex;
+  sdpa::AttentionOptions<double> fixed;
+  fixed.causal = true;
+  fixed.dropout = 0.3;
+  fixed.dropout_seed = 9;
+  fixed.probabilities = &p_fixed;
+  sdpa::AttentionOptions<double> programmed = fixed;
+  programmed.causal = false;
+  programmed.probabilities = &p_flex;
+  programmed.program = flex::program<double>(flex::noop_score{}, flex::causal{});
+  sdpa::AttentionState<double> s0, s1;
+  const T4<double> a = sdpa::attention(q, k, v, fixed, s0), c = sdpa::attention(q, k, v, programmed, s1);
+  double e = 0, ep = 0;
+  for (Index i = 0; i < a.size(); ++i) e = std::max(e, std::abs(a.data()[i] - c.data()[i]));
+  for (Index i = 0; i < p_fixed.size(); ++i) ep = std::max(ep, std::abs(p_fixed.data()[i] - p_flex.data()[i]));
+  EXPECT_LE(e, 1e-14);
+  EXPECT_LE(ep, 1e-15);
+  const auto ga = sdpa::attention_backward(d_out, s0), gc = sdpa::attention_backward(d_out, s1);
+  double eg = 0;
+  for (Index i = 0; i < ga.q.size(); ++i) eg = std::max(eg, std::abs(ga.q.data()[i] - gc.q.data()[i]));
+  EXPECT_LE(eg, 1e-13);
+}
+
+// A key the mask function hides passes nothing, not even a NaN in its value or key row.
+TEST(FlexTwins, HiddenNonFiniteRowsPassNothing) {
+  sdpa_test::Rng rng(43);
+  const Index n = 70, d = 8;
+  T4<float> q = random4<float>(rng, 1, 1, n, d), k = random4<float>(rng, 1, 1, n, d), v = random4<float>(rng, 1, 1, n, d);
+  const T4<float> d_out = random4<float>(rng, 1, 1, n, d);
+  for (Index x = 0; x < d; ++x) {
+    v(0, 0, 5, x) = std::numeric_limits<float>::quiet_NaN();
+    k(0, 0, 33, x) = std::numeric_limits<float>::infinity();
+  }
+  const auto skip = [](Index, Index, Index qq, Index kk) { return kk <= qq && kk != 5 && kk != 33; };
+  sdpa::AttentionState<float> state;
+  const T4<float> out = sdpa::attention(q, k, v, {}, flex::noop_score{}, skip, nullptr, state);
+  const auto g = sdpa::attention_backward(d_out, state);
+  for (Index i = 0; i < out.size(); ++i) ASSERT_TRUE(std::isfinite(out.data()[i])) << i;
+  for (Index i = 0; i < g.q.size(); ++i) ASSERT_TRUE(std::isfinite(g.q.data()[i])) << i;
+}
+
 // ---- Composition with the fixed options, against the dense reference ----
 
 TEST(FlexCompose, OptionsComposeWithFunctions) {

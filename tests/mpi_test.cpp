@@ -175,6 +175,44 @@ TEST(RingAttention, MatchesTheWholeSequenceFloat) {
     for (auto layout : {sdpa::RingLayout::kContiguous, sdpa::RingLayout::kZigZag}) run_case<float>(c, layout);
 }
 
+// A score program over the ring: its functions see global positions (a T5 bucket table and a mask that
+// keeps every 3rd key and the query's own, causal), and the table's gradient sums every rank's share.
+TEST(RingAttention, ScoreProgramsSeeGlobalPositions) {
+  const Index heads = 4, n = 96, batch = 2;
+  const Whole<double> w(batch, heads, 2, n, 16, 12);
+  sdpa::flex::ScoreTable<double> table(heads, 8);
+  fill(table.values(), 15);
+  const auto mask = [](Index, Index, Index q, Index k) { return k <= q && (k % 3 == 0 || k == q); };
+  sdpa::AttentionOptions<double> o;
+  o.program = sdpa::flex::program<double>(sdpa::flex::t5_buckets<double>{&table, false, 8, 40}, mask);
+  sdpa::AttentionState<double> whole_state;
+  const T4<double> out = sdpa::attention(w.q, w.k, w.v, o, whole_state);
+  const auto grads = sdpa::attention_backward(w.d_out, whole_state);
+  for (auto layout : {sdpa::RingLayout::kContiguous, sdpa::RingLayout::kZigZag}) {
+    const auto shard = [&](const T4<double>& t) { return sdpa::ring_shard(t, layout, rank(), ranks()); };
+    sdpa::RingOptions ro;
+    ro.layout = layout;
+    ro.block_rows = 7;
+    sdpa::RingState<double> state;
+    const T4<double> mine = sdpa::ring_attention(shard(w.q), shard(w.k), shard(w.v), o, MPI_COMM_WORLD, ro, state);
+    EXPECT_LE(relative_error(mine, shard(out)), 1e-12);
+    const auto g = sdpa::ring_attention_backward(shard(w.d_out), state, MPI_COMM_WORLD);
+    EXPECT_LE(relative_error(g.q, shard(grads.q)), 1e-12);
+    EXPECT_LE(relative_error(g.k, shard(grads.k)), 1e-12);
+    ASSERT_EQ(g.tables.size(), 1u);
+    EXPECT_LE(relative_error(g.tables[0], grads.tables[0]), 1e-12);
+  }
+  // A plan is refused: its blocks are not the ring's.
+  o.program = sdpa::flex::program<double>(sdpa::flex::noop_score{}, sdpa::flex::causal{},
+                                          sdpa::flex::causal{}.plan(1, 1, n, n));
+  sdpa::RingState<double> state;
+  EXPECT_THROW(sdpa::ring_attention(sdpa::ring_shard(w.q, sdpa::RingLayout::kContiguous, rank(), ranks()),
+                                    sdpa::ring_shard(w.k, sdpa::RingLayout::kContiguous, rank(), ranks()),
+                                    sdpa::ring_shard(w.v, sdpa::RingLayout::kContiguous, rank(), ranks()), o, MPI_COMM_WORLD,
+                                    sdpa::RingOptions{}, state),
+               std::invalid_argument);
+}
+
 // Every rank catches the call's exception; the messages are gathered so that each rank can check that all
 // are the same.
 template <typename F>

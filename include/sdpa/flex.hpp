@@ -323,37 +323,56 @@ combined_mask<A, B, false> or_masks(A a, B b) {
 
 // T5's relative position buckets (transformers' T5Attention._relative_position_bucket of k - q, float32
 // logarithms as it computes them): s + table(h, bucket). The table is (heads, num_buckets) and learnable.
+// The buckets of every distance up to max_distance are computed once, when the function is made (beyond
+// it the bucket is the last one, max_distance > the exact buckets being required).
 template <typename Scalar>
 struct t5_buckets {
   const ScoreTable<Scalar>* table = nullptr;
   bool bidirectional = true;
   Index num_buckets = 32, max_distance = 128;
+  std::shared_ptr<const std::vector<std::int32_t>> lookup;  // bucket of distance r at r + max_distance
+  const std::int32_t* buckets = nullptr;                      // lookup->data()
 
+  t5_buckets() = default;
+  t5_buckets(const ScoreTable<Scalar>* table_, bool bidirectional_, Index num_buckets_, Index max_distance_)
+      : table(table_), bidirectional(bidirectional_), num_buckets(num_buckets_), max_distance(max_distance_) {
+    const char* where = "flex::t5_buckets";
+    if (num_buckets < 2 || (bidirectional && num_buckets < 4))
+      sdpa::detail::throw_invalid(where, "num_buckets", bidirectional ? "at least 4" : "at least 2", num_buckets);
+    const Index exact = (bidirectional ? num_buckets / 2 : num_buckets) / 2;
+    if (max_distance <= exact)
+      sdpa::detail::throw_invalid(where, "max_distance", sdpa::detail::concat("more than the exact buckets, ", exact), max_distance);
+    auto l = std::make_shared<std::vector<std::int32_t>>(static_cast<std::size_t>(2 * max_distance + 1));
+    for (Index r = -max_distance; r <= max_distance; ++r) (*l)[static_cast<std::size_t>(r + max_distance)] = static_cast<std::int32_t>(bucket(r));
+    lookup = std::move(l);
+    buckets = lookup->data();
+  }
+
+  // The bucket of relative position k - q, by transformers' formula.
   Index bucket(Index relative) const noexcept {
-    Index buckets = num_buckets, result = 0;
+    Index half = num_buckets, result = 0;
     if (bidirectional) {
-      buckets /= 2;
-      if (relative > 0) result += buckets;
+      half /= 2;
+      if (relative > 0) result += half;
       relative = relative < 0 ? -relative : relative;
     } else {
       relative = relative < 0 ? -relative : 0;
     }
-    const Index exact = buckets / 2;
+    const Index exact = half / 2;
     if (relative < exact) return result + relative;
     const float scaled = std::log(static_cast<float>(relative) / static_cast<float>(exact)) /
                          static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(exact))) *
-                         static_cast<float>(buckets - exact);
-    return result + std::min<Index>(exact + static_cast<Index>(scaled), buckets - 1);
+                         static_cast<float>(half - exact);
+    return result + std::min<Index>(exact + static_cast<Index>(scaled), half - 1);
   }
   template <typename S>
   S operator()(S s, Index, Index h, Index q, Index k) const noexcept {
-    return s + table->at(s, h, bucket(k - q));
+    const Index r = std::clamp(k - q, -max_distance, max_distance);
+    return s + table->at(s, h, buckets[r + max_distance]);
   }
   std::vector<const ScoreTable<Scalar>*> tables() const { return {table}; }
   void check(const char* where, Index, Index heads, Index, Index) const {
-    if (table == nullptr) sdpa::detail::throw_invalid(where, "flex::t5_buckets::table", "a ScoreTable", "null");
-    if (num_buckets < 2 || (bidirectional && num_buckets < 4))
-      sdpa::detail::throw_invalid(where, "flex::t5_buckets::num_buckets", bidirectional ? "at least 4" : "at least 2", num_buckets);
+    if (table == nullptr || buckets == nullptr) sdpa::detail::throw_invalid(where, "flex::t5_buckets::table", "a ScoreTable", "null");
     if (table->rows() != heads || table->cols() != num_buckets)
       sdpa::detail::throw_invalid(where, "flex::t5_buckets' table", sdpa::detail::concat("of shape (heads, num_buckets) = (", heads, ", ", num_buckets, ")"),
                                   sdpa::detail::concat("(", table->rows(), ", ", table->cols(), ")"));
@@ -435,6 +454,7 @@ class FlexProgram final : public ScoreProgram<Scalar> {
   const void* table_id(Index i) const noexcept { return tables_[static_cast<std::size_t>(i)]; }
   Index table_size(Index i) const noexcept { return tables_[static_cast<std::size_t>(i)]->size(); }
 
+  bool has_plan() const override { return plan_ != nullptr; }
   Index table_count() const override { return static_cast<Index>(tables_.size()); }
   std::array<Index, 2> table_dims(Index i) const override {
     const ScoreTable<Scalar>& t = *tables_[static_cast<std::size_t>(i)];

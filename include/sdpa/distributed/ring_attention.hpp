@@ -294,6 +294,7 @@ struct RingCall {
     c.nk = kb.rows;
     const Index q0 = plan.global(plan.rank, qb.local0), k0 = plan.global(owner, kb.local0);
     kernels::AttentionProblem<Scalar> p = ::sdpa::detail::problem_of(c, o, MaskedRows::kZero, o.causal, q0 - k0);
+    p.key_base = k0;  // a score program sees global positions
     p.probabilities = nullptr;
     p.sinks = nullptr;  // added once, after the merge
     if (!o.key_lengths.empty()) {
@@ -399,10 +400,13 @@ void ring_forward(const RingCall<Scalar>& call, const kernels::Heads<Scalar>& ou
 
 // The backward on every rank: dq (q's layout, rotated space), dk and dv (k's and v's layouts, dk in rotated
 // space), d_sinks (this rank's share) from the forward's out and lse.
+// A score program's tables: this rank's share of their gradients added to d_tables (tables.size()
+// elements), and what its backward could not do in status.
 template <typename Scalar>
 void ring_backward(const RingCall<Scalar>& call, const kernels::Heads<const Scalar>& out, const Scalar* lse,
                    const kernels::Heads<const Scalar>& d_out, const kernels::Heads<Scalar>& d_q, const kernels::Heads<Scalar>& d_k,
-                   const kernels::Heads<Scalar>& d_v, Scalar* d_sinks, RingStats& stats) {
+                   const kernels::Heads<Scalar>& d_v, Scalar* d_sinks, RingStats& stats,
+                   ::sdpa::detail::ProgramTables<Scalar>* tables = nullptr, kernels::BackwardStatus* status = nullptr) {
   const RingPlan& plan = call.plan;
   const ::sdpa::detail::CallShape& c = call.shape;
   const AttentionOptions<Scalar>& o = *call.options;
@@ -470,7 +474,14 @@ void ring_backward(const RingCall<Scalar>& call, const kernels::Heads<const Scal
       bp.d_q = {dq.data(), c.heads * qb.rows * c.d_k, c.d_k, qb.rows * c.d_k};
       bp.d_k = {dk.data(), kvh * plan.block * c.d_k, c.d_k, plan.block * c.d_k};
       bp.d_v = {dv.data(), kvh * plan.block * c.d_v, c.d_v, plan.block * c.d_v};
-      ::sdpa::detail::run_attention_backward(bp, o.kernel, o.device);
+      std::vector<Scalar> block_tables(tables != nullptr ? static_cast<std::size_t>(tables->size()) : 0);
+      if (!block_tables.empty()) bp.d_tables = block_tables.data();
+      const kernels::BackwardStatus st = ::sdpa::detail::run_attention_backward(bp, o.kernel, o.device);
+      if (status != nullptr) {
+        status->unlisted_table = status->unlisted_table || st.unlisted_table;
+        status->too_many_reads = status->too_many_reads || st.too_many_reads;
+      }
+      for (std::size_t e = 0; e < block_tables.size(); ++e) tables->data()[e] += block_tables[e];
       channel.progress();
       for (Index b = 0; b < c.batch; ++b) {
         for (Index h = 0; h < c.heads; ++h)
@@ -527,7 +538,9 @@ Fields ring_fields(const ::sdpa::detail::CallShape& c, const AttentionOptions<Sc
       .integer("the local sequence rows of q", c.nq)
       .integer("the local sequence rows of k", c.nk)
       .integer("d_k", c.d_k)
-      .integer("d_v", c.d_v);
+      .integer("d_v", c.d_v)
+      .integer("a score program (0: none, 1: set)", o.program != nullptr ? 1 : 0)
+      .integer("the score program's tables", o.program != nullptr ? o.program->table_count() : 0);
   add_option_fields(f, o);
   return f;
 }
@@ -568,9 +581,8 @@ void check_ring(const ::sdpa::detail::CallShape& local, const std::array<Index, 
   if (o.dropout != Scalar(0)) throw_invalid(where, "dropout", "0 in ring attention", o.dropout);
   if (o.masked_rows != MaskedRows::kZero)
     throw_invalid(where, "masked_rows", "MaskedRows::kZero in ring attention", "MaskedRows::kNaN");
-  if (o.program != nullptr)
-    throw_invalid(where, "program", "unset in ring attention (score programs run through sdpa::attention and attention_varlen)",
-                  "set");
+  if (o.program != nullptr && o.program->has_plan())
+    throw_invalid(where, "the score program's BlockMask", "none in ring attention (its blocks are the ring's)", "given");
   if (o.compute != Compute::kFloat)
     throw_invalid(where, "compute", "Compute::kFloat in ring attention (it has no bfloat16 form yet)", compute_name(o.compute));
   ::sdpa::detail::CallShape whole = local;
@@ -809,10 +821,13 @@ AttentionGradients<Scalar> ring_attention_backward(const Tensor4<Scalar>& grad_o
   g.k = Tensor4<Scalar>(s.k_.dimensions());
   g.v = Tensor4<Scalar>(s.v_.dimensions());
   std::vector<Scalar> sinks(o.sinks.size());
+  ::sdpa::detail::ProgramTables<Scalar> tables(o.program.get());
+  kernels::BackwardStatus status;
   distributed::detail::ring_backward(call, heads_of(s.out_.data(), s.out_.dimensions(), layout), s.lse_.data(),
                                      heads_of(grad_output.data(), grad_output.dimensions(), layout),
                                      heads_of(g.q.data(), g.q.dimensions(), layout), heads_of(g.k.data(), g.k.dimensions(), layout),
-                                     heads_of(g.v.data(), g.v.dimensions(), layout), sinks.empty() ? nullptr : sinks.data(), stats);
+                                     heads_of(g.v.data(), g.v.dimensions(), layout), sinks.empty() ? nullptr : sinks.data(), stats,
+                                     &tables, &status);
   // The rotated q's and k's gradients, rotated back at their global positions.
   if (call.rotary != nullptr) {
     const kernels::Heads<Scalar> dq = heads_of(g.q.data(), g.q.dimensions(), layout), dk = heads_of(g.k.data(), g.k.dimensions(), layout);
@@ -833,6 +848,23 @@ AttentionGradients<Scalar> ring_attention_backward(const Tensor4<Scalar>& grad_o
     for (int r = 0; r < cs.size; ++r)
       for (std::size_t h = 0; h < sinks.size(); ++h) g.sinks[h] += all[static_cast<std::size_t>(r) * sinks.size() + h];
   }
+  // The tables' gradients likewise, and whether any rank's backward lost some (refused on every rank).
+  if (tables.size() > 0) {
+    const std::size_t n = static_cast<std::size_t>(tables.size());
+    std::vector<Scalar> all(n * static_cast<std::size_t>(cs.size));
+    distributed::detail::check_mpi(MPI_Allgather(tables.data(), static_cast<int>(n), distributed::detail::mpi_type<Scalar>(), all.data(),
+                                                 static_cast<int>(n), distributed::detail::mpi_type<Scalar>(), comm),
+                                   "MPI_Allgather");
+    std::fill_n(tables.data(), n, Scalar(0));
+    for (int r = 0; r < cs.size; ++r)
+      for (std::size_t e = 0; e < n; ++e) tables.data()[e] += all[static_cast<std::size_t>(r) * n + e];
+  }
+  int lost[2] = {status.unlisted_table ? 1 : 0, status.too_many_reads ? 1 : 0};
+  if (o.program != nullptr)
+    distributed::detail::check_mpi(MPI_Allreduce(MPI_IN_PLACE, lost, 2, MPI_INT, MPI_MAX, comm), "MPI_Allreduce");
+  status.unlisted_table = lost[0] != 0;
+  status.too_many_reads = lost[1] != 0;
+  g.tables = tables.finish(status, where);
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (stats_out != nullptr) *stats_out = stats;
   return g;

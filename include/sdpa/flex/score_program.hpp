@@ -34,6 +34,8 @@ class ScoreProgram {
   // The tiled backward of a checked problem; the tables' gradients go to bp.d_tables.
   virtual kernels::BackwardStatus backward(const kernels::BackwardProblem<Scalar>& bp,
                                            const Eigen::ThreadPoolDevice* device) const = 0;
+  // Whether the program has a block plan (ring attention, whose blocks are not the call's, refuses one).
+  virtual bool has_plan() const = 0;
   // The ScoreTables the score function reads, in the order of their gradients: each one's (rows, cols).
   virtual Index table_count() const = 0;
   virtual std::array<Index, 2> table_dims(Index i) const = 0;

@@ -87,7 +87,7 @@ class ScorePipeline {
       if (pre != nullptr) std::copy_n(y, m, pre + seg.lo);
       const Program& f = *program_;
       const Index bb = b + p_.batch_base, base = p_.base(b), pos = p_.position(b, q) + base, key = kbegin + base;
-      for (Index j = 0; j < m; ++j) y[j] = static_cast<Scalar>(f.score(y[j], bb, h, pos, key + j));
+      for (Index j = 0; j < m; ++j) y[j] = f.score(y[j], bb, h, pos, key + j);
     } else {
       (void)pre;
     }
