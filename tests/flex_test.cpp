@@ -398,6 +398,35 @@ TEST(FlexTwins, HiddenNonFiniteRowsPassNothing) {
   for (Index i = 0; i < g.q.size(); ++i) ASSERT_TRUE(std::isfinite(g.q.data()[i])) << i;
 }
 
+// A few queries run the decoding kernel (kAuto), many the tiled one: the same program, the same results
+// (to rounding), probabilities and the mask's holes included, with and without a plan.
+TEST(FlexTwins, DecodingAndTiledKernelsAgree) {
+  sdpa_test::Rng rng(47);
+  const Index b = 2, h = 4, nq = 3, nk = 700, d = 16;
+  const T4<double> q = random4<double>(rng, b, h, nq, d), k = random4<double>(rng, b, 2, nk, d), v = random4<double>(rng, b, 2, nk, d);
+  const auto mask = [](Index bb, Index hh, Index qq, Index kk) { return kk <= qq && ((kk + bb + hh) % 5 != 0 || kk > qq - 3); };
+  const auto score = [](auto s, Index, Index hh, Index qq, Index kk) { return s + 0.01 * static_cast<double>((qq - kk) % 7 - hh); };
+  const sdpa::BlockMask plan = sdpa::block_mask_from(mask, b, h, nq, nk, 2, 64);
+  for (const sdpa::BlockMask* pl : {static_cast<const sdpa::BlockMask*>(nullptr), &plan}) {
+    T4<double> p_auto, p_tiled;
+    sdpa::AttentionOptions<double> o;
+    o.probabilities = &p_auto;
+    const T4<double> a = sdpa::attention(q, k, v, o, score, mask, pl);
+    o.kernel = sdpa::Kernel::kTiled;
+    o.probabilities = &p_tiled;
+    const T4<double> t = sdpa::attention(q, k, v, o, score, mask, pl);
+    double e = 0, ep = 0;
+    for (Index i = 0; i < a.size(); ++i) e = std::max(e, std::abs(a.data()[i] - t.data()[i]));
+    for (Index i = 0; i < p_auto.size(); ++i) ep = std::max(ep, std::abs(p_auto.data()[i] - p_tiled.data()[i]));
+    EXPECT_LE(e, 1e-14);
+    EXPECT_LE(ep, 1e-15);
+    Dense ref;
+    ref.visible = mask;
+    ref.score = [&](double s, Index bb, Index hh, Index qq, Index kk) { return score(s, bb, hh, qq, kk); };
+    EXPECT_LE(max_abs_diff(a, ref.run(q, k, v)), 1e-13);
+  }
+}
+
 // ---- Composition with the fixed options, against the dense reference ----
 
 TEST(FlexCompose, OptionsComposeWithFunctions) {

@@ -210,7 +210,7 @@ template <typename Scalar>
 void run_attention(const kernels::AttentionProblem<Scalar>& p, Kernel kernel,
                    kernels::DecodeWorkspace<Scalar>* workspace, const Eigen::ThreadPoolDevice* device) {
   if (p.program != nullptr) {
-    p.program->forward(p, device);  // the tiled kernel of the program's functions (kReference is refused)
+    p.program->forward(p, kernel, workspace, device);  // the program's own kernels (kReference is refused)
   } else if (kernel == Kernel::kReference) {
     kernels::reference_attention(p, device);
   } else if (kernel == Kernel::kAuto && p.compute == Compute::kFloat && kernels::decode_suits(p)) {

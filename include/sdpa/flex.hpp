@@ -43,6 +43,7 @@
 #include "sdpa/flex/dual.hpp"
 #include "sdpa/flex/score_program.hpp"
 #include "sdpa/kernels/backward.hpp"
+#include "sdpa/kernels/decode.hpp"
 #include "sdpa/kernels/tiled.hpp"
 
 SDPA_NAMESPACE_BEGIN
@@ -472,8 +473,14 @@ class FlexProgram final : public ScoreProgram<Scalar> {
     if constexpr (detail::has_check<Score>::value) score_.check(where, batch, heads, nq, nk);
     if constexpr (detail::has_check<Visible>::value) visible_.check(where, batch, heads, nq, nk);
   }
-  void forward(const kernels::AttentionProblem<Scalar>& p, const Eigen::ThreadPoolDevice* device) const override {
-    kernels::tiled_attention_program(p, *this, device);
+  void forward(const kernels::AttentionProblem<Scalar>& p, Kernel kernel, kernels::DecodeWorkspace<Scalar>* workspace,
+               const Eigen::ThreadPoolDevice* device) const override {
+    if (kernel == Kernel::kAuto && p.compute == Compute::kFloat && kernels::decode_suits_program(p)) {
+      kernels::DecodeWorkspace<Scalar> local;
+      kernels::decode_attention_program(p, *this, workspace != nullptr ? *workspace : local, device);
+    } else {
+      kernels::tiled_attention_program(p, *this, device);
+    }
   }
   kernels::BackwardStatus backward(const kernels::BackwardProblem<Scalar>& bp, const Eigen::ThreadPoolDevice* device) const override {
     return kernels::tiled_backward_program(bp, *this, device);

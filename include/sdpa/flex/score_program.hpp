@@ -12,9 +12,12 @@
 #include <array>
 
 SDPA_NAMESPACE_BEGIN
+enum class Kernel;  // sdpa/options.hpp
 namespace kernels {
 template <typename Scalar>
 struct AttentionProblem;
+template <typename Scalar>
+struct DecodeWorkspace;
 template <typename Scalar>
 struct BackwardProblem;
 struct BackwardStatus;
@@ -29,8 +32,10 @@ class ScoreProgram {
   // Refuses (std::invalid_argument, naming `where`) a call the program cannot serve: a plan of another
   // shape, a table that does not fit the heads, a plan in a packed call.
   virtual void check(const char* where, Index batch, Index heads, Index nq, Index nk, bool packed) const = 0;
-  // The tiled forward of a checked problem (p.program is this program).
-  virtual void forward(const kernels::AttentionProblem<Scalar>& p, const Eigen::ThreadPoolDevice* device) const = 0;
+  // The forward of a checked problem (p.program is this program): the decoding kernel where kAuto would
+  // choose it (its scratch in `workspace`, or a fresh one), the tiled kernel otherwise.
+  virtual void forward(const kernels::AttentionProblem<Scalar>& p, Kernel kernel, kernels::DecodeWorkspace<Scalar>* workspace,
+                       const Eigen::ThreadPoolDevice* device) const = 0;
   // The tiled backward of a checked problem; the tables' gradients go to bp.d_tables.
   virtual kernels::BackwardStatus backward(const kernels::BackwardProblem<Scalar>& bp,
                                            const Eigen::ThreadPoolDevice* device) const = 0;

@@ -14,6 +14,7 @@
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
+#include <memory>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -48,6 +49,7 @@ struct DecodeWorkspace {
   sdpa::detail::Buffer<Scalar> scores;           // per thread slot: a chunk of scores per (head, query)
   std::vector<std::uint32_t> bits;         // per thread slot: one chunk of dropout words
   std::vector<typename Visibility<Scalar>::Segment> segments;  // per thread slot: per (head, query)
+  sdpa::detail::Buffer<bool> holes;  // a score program's mask: per thread slot, a chunk per (head, query)
 
   void reserve(Eigen::Index items, Eigen::Index rows_per_item, Eigen::Index d_v, Eigen::Index slots) {
     if (static_cast<Eigen::Index>(states.size()) < items * rows_per_item)
@@ -76,9 +78,20 @@ bool decode_suits(const AttentionProblem<Scalar>& p) noexcept {
   return p.nq <= 16;
 }
 
+// The same under a score program, whose mask the decoding kernel asks per row and chunk: the tiled kernel
+// asks it per tile, and overtakes it sooner (8 queries or more of h 8, d 64 over 4096 keys on the
+// Sapphire Rapids machine: bench/results/flex.md's tree step).
+constexpr Eigen::Index kProgramDecodeRows = 4;
 template <typename Scalar>
-void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>& ws,
-                      const Eigen::ThreadPoolDevice* device = nullptr) {
+bool decode_suits_program(const AttentionProblem<Scalar>& p) noexcept {
+  return p.nq <= kProgramDecodeRows;
+}
+
+// Under a score program (kernels/program.hpp): its score function in the pipeline, its mask function asked
+// for the keys of each row's segment of a chunk (ask_mask in scores.hpp).
+template <typename Scalar, typename Program>
+void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& program, DecodeWorkspace<Scalar>& ws,
+                              const Eigen::ThreadPoolDevice* device = nullptr) {
   using Index = Eigen::Index;
   using Segment = typename Visibility<Scalar>::Segment;
   if (p.batch <= 0 || p.heads <= 0 || p.nq <= 0) return;
@@ -99,8 +112,10 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
   // Scratch slots: one per thread that can run an item (the caller, and any thread of the device's pool).
   const Index slots = device == nullptr ? 1 : 1 + std::max<Index>(workers, device->numThreadsInPool());
   ws.reserve(items, rows, p.d_v, slots);
+  if (Program::kMask && ws.holes.size() < static_cast<std::size_t>(slots * rows * kDecodeChunk))
+    ws.holes.reset(static_cast<std::size_t>(slots * rows * kDecodeChunk));
   const Visibility<Scalar> visibility(p, device);
-  const ScorePipeline<Scalar> pipeline(visibility);
+  const ScorePipeline<Scalar, Program> pipeline(visibility, &program);
   parallel_for(device, items, 1, [&](Index i0, Index i1) {
     // The running thread's scratch slot: 0 for a thread outside the pool (the caller), 1 + its index for a
     // pool thread; two threads never share one.
@@ -122,6 +137,9 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
           std::fill_n(ws.acc.data() + slot_r * p.d_v, p.d_v, Scalar(0));
           const KeyRange range = visibility.row(b, h, q);
           segs[r] = visibility.segment(range, b, h, q, k0, n);
+          if constexpr (Program::kMask) {
+            if (!segs[r].none()) ask_mask(program, visibility, b, h, q, k0, segs[r], ws.holes.data() + (slot * rows + r) * kDecodeChunk);
+          }
           any = any || !segs[r].none();
         }
       if (!any) continue;
@@ -221,13 +239,13 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
                 stored_add_weighted_rows(p, av.data(), pr + jlo, b, g, k0 + jlo, jhi - jlo, ahead);
               } else {
                 for (Index j = jlo; j < jhi; ++j)
-                  if (!visibility.masked(b, h, q, k0 + j)) stored_add_weighted_rows(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
+                  if (!segment_hole(seg, visibility, b, h, q, k0, j)) stored_add_weighted_rows(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
               }
             } else if (seg.solid) {
               simd::add_weighted_rows(p.isa, av.data(), p.d_v, pr + jlo, vb + (jlo - j0) * p.v.row_stride, p.v.row_stride, jhi - jlo);
             } else {
               for (Index j = jlo; j < jhi; ++j)
-                if (!visibility.masked(b, h, q, k0 + j)) av += pr[j] * Vec(vb + (j - j0) * p.v.row_stride, p.d_v);
+                if (!segment_hole(seg, visibility, b, h, q, k0, j)) av += pr[j] * Vec(vb + (j - j0) * p.v.row_stride, p.d_v);
             }
           }
         }
@@ -238,6 +256,8 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
   // Merge each row's partial states in chunk order, then finish it.
   const bool accumulated = !(p.dropout && p.keep_scale == Scalar(0));
   parallel_for(device, p.batch * rows, std::max<Index>(1, p.batch * rows / (4 * workers)), [&](Index r0, Index r1) {
+    // A program's mask over a chunk of one row, for the probabilities.
+    std::unique_ptr<bool[]> holes(Program::kMask && p.probabilities != nullptr ? new bool[kDecodeChunk] : nullptr);
     for (Index r = r0; r < r1; ++r) {
       const Index b = r / rows, hq = r % rows, h = hq / p.nq, q = hq % p.nq;
       const Index first = (b * chunks) * rows + hq;
@@ -279,12 +299,25 @@ void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>
                                  Index{0}, Index{1}, Index{1}, Index{1}, p.d_k, p.scale, x + j, kDecodeChunk);
             j += run;
           }
-          pipeline.apply(x, n, b, h, q, k0, range);
+          if constexpr (Program::kMask) {
+            Segment seg = visibility.segment(range, b, h, q, k0, n);
+            if (!seg.none()) ask_mask(program, visibility, b, h, q, k0, seg, holes.get());
+            pipeline.apply_segment(x, n, b, h, q, k0, seg);
+          } else {
+            pipeline.apply(x, n, b, h, q, k0, range);
+          }
           simd::exp_shifted_sum(p.isa, x, n, lse);
         }
       }
     }
   });
+}
+
+// The decoding kernel with the fixed options alone.
+template <typename Scalar>
+void decode_attention(const AttentionProblem<Scalar>& p, DecodeWorkspace<Scalar>& ws,
+                      const Eigen::ThreadPoolDevice* device = nullptr) {
+  decode_attention_program(p, NoProgram{}, ws, device);
 }
 
 }  // namespace kernels

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "sdpa/kernels/problem.hpp"
@@ -50,6 +52,83 @@ void apply_broadcast_row(Scalar* x, Eigen::Index n, const BroadcastView<Scalar>&
 
 // Program: a score program (kernels/program.hpp) whose score function follows ALiBi, called with the
 // query's position, before the hidden keys become -inf.
+// A program's mask function over the keys of row (b, h, q)'s segment of the block of keys k0 .. (seg, from
+// Visibility::segment; not none), and the mask tensor's holes there: the segment narrowed to the first and
+// last key both keep, with its holes marked in `hidden` (one per key of the block, indexed like seg) when
+// any lie between; none when no key is kept. With a plan, the function is asked only on the plan's partly
+// visible blocks. (bool, whose stores the compiler knows do not alias the function's data, as char stores
+// would.)
+template <typename Scalar, typename Program>
+void ask_mask(const Program& f, const Visibility<Scalar>& vis, Eigen::Index b, Eigen::Index h, Eigen::Index q,
+              Eigen::Index k0, typename Visibility<Scalar>::Segment& seg, bool* hidden) {
+  using Index = Eigen::Index;
+  const AttentionProblem<Scalar>& p = vis.problem();
+  const Index bb = b + p.batch_base, base = p.base(b), pos = p.position(b, q) + base, key0 = k0 + base;
+  const Index lo = seg.lo, hi = seg.hi;
+  // The keys kept, counted as they are marked (locals only: the loops store nothing else).
+  Index kept = 0;
+  const auto ask = [&](Index j0, Index j1) SDPA_ALWAYS_INLINE_LAMBDA {
+    Index n = 0;
+    for (Index j = j0; j < j1; ++j) {
+      const bool v = f.visible(bb, h, pos, key0 + j);
+      hidden[j] = !v;
+      n += v ? 1 : 0;
+    }
+    kept += n;
+  };
+  const BlockMask* plan = f.plan();
+  if (plan == nullptr) {
+    ask(lo, hi);
+  } else {
+    const Index qb = q / plan->q_block(), kblock = plan->k_block();
+    for (Index j0 = lo; j0 < hi;) {
+      const Index key = k0 + j0, j1 = std::min(hi, (key / kblock + 1) * kblock - k0);
+      const BlockState state = plan->at(bb, h, qb, key / kblock);
+      if (state == BlockState::kPartial) {
+        ask(j0, j1);
+      } else {
+        std::fill(hidden + j0, hidden + j1, state == BlockState::kNone);
+        if (state == BlockState::kFull) kept += j1 - j0;
+      }
+      j0 = j1;
+    }
+  }
+  if (!seg.solid)
+    for (Index j = lo; j < hi; ++j)
+      if (!hidden[j] && vis.masked(b, h, q, k0 + j)) {
+        hidden[j] = true;
+        --kept;
+      }
+  if (kept == 0) {
+    seg = typename Visibility<Scalar>::Segment{};
+    return;
+  }
+  // The first and the last key kept (a bool is one byte, 0 for false), then holes when fewer were kept than
+  // lie between them.
+  Index first = lo, last = hi;
+  if (const void* found = std::memchr(hidden + lo, 0, static_cast<std::size_t>(hi - lo)))
+    first = static_cast<const bool*>(found) - hidden;
+  while (last - 8 >= first) {
+    std::uint64_t word;
+    std::memcpy(&word, hidden + last - 8, 8);
+    if (word != 0x0101010101010101ull) break;
+    last -= 8;
+  }
+  while (hidden[last - 1]) --last;
+  seg.lo = first;
+  seg.hi = last;
+  seg.solid = kept == last - first;
+  seg.holes = seg.solid ? nullptr : hidden;
+}
+
+// Whether key k0 + j of a row's segment (relative to k0, inside [seg.lo, seg.hi)) is hidden by its holes.
+template <typename Scalar>
+bool segment_hole(const typename Visibility<Scalar>::Segment& seg, const Visibility<Scalar>& vis, Eigen::Index b,
+                  Eigen::Index h, Eigen::Index q, Eigen::Index k0, Eigen::Index j) noexcept {
+  if (seg.solid) return false;
+  return seg.holes != nullptr ? seg.holes[j] : vis.masked(b, h, q, k0 + j);
+}
+
 template <typename Scalar, typename Program = NoProgram>
 class ScorePipeline {
  public:

@@ -239,71 +239,9 @@ class TileScorer {
     return true;
   }
 
-  // The program's mask function over the keys of tile row i's segment (and the mask tensor's holes
-  // there): the segment narrowed to the first and last key both keep, with its holes marked when any lie
-  // between.
+  // The program's mask function over tile row i's segment (ask_mask in scores.hpp).
   void ask_mask(const Tile<Scalar>& t, Index i, Segment& seg) {
-    const Program& f = *program();
-    const Index q = t.q0 + t.r0 + i, bb = t.b + p_.batch_base, base = p_.base(t.b), pos = p_.position(t.b, q) + base;
-    const Index k0 = t.k0, key0 = k0 + base;
-    bool* hidden = holes_.get() + i * bk_;
-    const Index lo = seg.lo, hi = seg.hi;
-    // The keys kept, counted as they are marked (locals only: the loops store nothing else).
-    Index kept = 0;
-    const auto ask = [&](Index j0, Index j1) SDPA_ALWAYS_INLINE_LAMBDA {
-      Index n = 0;
-      for (Index j = j0; j < j1; ++j) {
-        const bool v = f.visible(bb, t.h, pos, key0 + j);
-        hidden[j] = !v;
-        n += v ? 1 : 0;
-      }
-      kept += n;
-    };
-    const BlockMask* plan = f.plan();
-    if (plan == nullptr) {
-      ask(lo, hi);
-    } else {
-      // The plan's own blocks inside the tile: the function is asked only where the row's block is partly
-      // visible.
-      const Index qb = q / plan->q_block(), kblock = plan->k_block();
-      for (Index j0 = lo; j0 < hi;) {
-        const Index key = k0 + j0, j1 = std::min(hi, (key / kblock + 1) * kblock - k0);
-        const BlockState state = plan->at(bb, t.h, qb, key / kblock);
-        if (state == BlockState::kPartial) {
-          ask(j0, j1);
-        } else {
-          std::fill(hidden + j0, hidden + j1, state == BlockState::kNone);
-          if (state == BlockState::kFull) kept += j1 - j0;
-        }
-        j0 = j1;
-      }
-    }
-    if (!seg.solid)
-      for (Index j = lo; j < hi; ++j)
-        if (!hidden[j] && vis_.masked(t.b, t.h, q, k0 + j)) {
-          hidden[j] = true;
-          --kept;
-        }
-    if (kept == 0) {
-      seg = Segment{};
-      return;
-    }
-    // The first and the last key kept (a bool is one byte, 0 for false), then holes when fewer were kept
-    // than lie between them.
-    Index first = lo, last = hi;
-    if (const void* found = std::memchr(hidden + lo, 0, static_cast<std::size_t>(hi - lo)))
-      first = static_cast<const bool*>(found) - hidden;
-    while (last - 8 >= first) {
-      std::uint64_t word;
-      std::memcpy(&word, hidden + last - 8, 8);
-      if (word != 0x0101010101010101ull) break;
-      last -= 8;
-    }
-    while (hidden[last - 1]) --last;
-    seg.lo = first;
-    seg.hi = last;
-    seg.solid = kept == last - first;
-    seg.holes = seg.solid ? nullptr : hidden;
+    kernels::ask_mask(*program(), vis_, t.b, t.h, t.q0 + t.r0 + i, t.k0, seg, holes_.get() + i * bk_);
   }
 
   const ScorePipeline<Scalar, Program>& pipeline_;
