@@ -1,7 +1,9 @@
 """What the benchmark scripts share: running a command, running a Google Benchmark executable and reading its
-JSON (every repetition of every case by name), and replacing one marked section of bench/RESULTS.md."""
+JSON (every repetition of every case by name), the CPU's name and flags, and replacing one marked section of
+bench/RESULTS.md."""
 import json
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -9,6 +11,18 @@ import sys
 
 _SUFFIX = re.compile(r"(/iterations:[0-9]+)?(/process_time)?/real_time$")
 _MS = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}
+
+
+def cpu(wanted):
+    """The CPU's model name and which of the flags `wanted` /proc/cpuinfo lists (in wanted's order)."""
+    model, flags = platform.processor(), set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and model in ("", "x86_64"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    return model, [f for f in wanted if f in flags]
 
 
 def run(cmd, **kw):

@@ -104,31 +104,9 @@ KINDS = {"causal": 1, "sliding": 2, "chunked": 3, "document": 4, "document_causa
 
 
 # ---------------------------------------------------------------------------------------------------
-# SDPAFIX1 writing (copied from scripts/make_fixtures.py, which imports more than this script needs).
-MAGIC = b"SDPAFIX1"
-F64, BOOL, I64 = 0, 1, 2
-
-
-def encode_entry(name, array):
-    array = np.asarray(array)
-    if array.dtype == np.bool_:
-        code, data = BOOL, array.astype(np.uint8)
-    elif array.dtype.kind in "iu":
-        code, data = I64, array.astype("<i8")
-    elif array.dtype.kind == "f":
-        code, data = F64, array.astype("<f8")
-    else:
-        raise TypeError(f"{name}: unsupported dtype {array.dtype}")
-    raw = name.encode("ascii")
-    head = struct.pack("<I", len(raw)) + raw + struct.pack("<BB", code, array.ndim)
-    head += b"".join(struct.pack("<q", d) for d in array.shape)
-    return head + np.ascontiguousarray(data).tobytes(order="C")
-
-
-def encode_file(entries):
-    names = [n for n, _ in entries]
-    assert len(set(names)) == len(names), names
-    return MAGIC + struct.pack("<I", len(entries)) + b"".join(encode_entry(n, a) for n, a in entries)
+# SDPAFIX1 writing: scripts/make_fixtures.py's encoder (MAGIC, encode_file), as the other fixture scripts.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_fixtures import BOOL, F64, I64, MAGIC, encode_file  # noqa: E402
 
 
 def decode_file(blob):

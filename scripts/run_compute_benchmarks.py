@@ -11,7 +11,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -24,17 +23,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ["float", "emulated", "avx512_bf16", "amx"]
 FLAGS = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
          "amx_int8"]
-
-
-def cpu():
-    model, flags = platform.processor(), set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name") and model in ("", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    return model, [f for f in FLAGS if f in flags]
 
 
 def fmt(x):
@@ -73,7 +61,7 @@ def main():
                 torch[r["name"]] = (r["min_ms"], r["median_ms"])
             torch_version = r["torch"]
 
-    model, flags = cpu()
+    model, flags = benchlib.cpu(FLAGS)
     lines = ["# Compute::kBf16 against kFloat and PyTorch (bench/compute_bench.cpp, bench/peers/compute_peer.py)", "",
              "Written by scripts/run_compute_benchmarks.py; do not edit by hand.", "",
              f"- machine: {model}, {os.cpu_count()} cores; flags: {' '.join(flags)}",

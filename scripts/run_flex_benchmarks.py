@@ -11,7 +11,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -22,17 +21,6 @@ import benchlib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
-
-
-def cpu():
-    model, flags = platform.processor(), set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name") and model in ("", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    return model, [f for f in FLAGS if f in flags]
 
 
 def cell(t):
@@ -71,7 +59,7 @@ def main():
             elif "error" in r:
                 torch_errors[r["name"]] = r["error"]
 
-    model, flags = cpu()
+    model, flags = benchlib.cpu(FLAGS)
     lines = ["# Programmable attention (bench/flex_bench.cpp, bench/peers/flex_peer.py)", "",
              "Written by scripts/run_flex_benchmarks.py; do not edit by hand.", "",
              f"- machine: {model}, {os.cpu_count()} cores; flags: {' '.join(flags)}",
