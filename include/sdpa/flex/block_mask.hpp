@@ -55,7 +55,7 @@ class BlockMask {
   Index k_block() const noexcept { return k_block_; }
   Index q_blocks() const noexcept { return qb_; }
   Index k_blocks() const noexcept { return kb_; }
-  bool empty() const noexcept { return states_.empty() && batch_ == 0; }
+  bool empty() const noexcept { return batch_ == 0; }  // default-constructed: no plan
 
   // The state of key block kb for query block qb of (b, h); b and h are taken modulo a broadcast 1.
   BlockState at(Index b, Index h, Index qb, Index kb) const noexcept { return states_[offset(b, h, qb, kb)]; }

@@ -113,13 +113,6 @@ struct is_dual : std::false_type {};
 template <typename Scalar>
 struct is_dual<Dual<Scalar>> : std::true_type {};
 
-// The value of a score, plain or dual.
-template <typename T>
-auto value_of(const T& x) noexcept {
-  if constexpr (is_dual<T>::value) return x.v;
-  else return x;
-}
-
 // The functions a score function may call, for plain numbers and duals alike.
 template <typename T>
 T exp(const T& x) {

@@ -14,9 +14,9 @@
 #include "sdpa/detail/eigen.hpp"
 
 #include <algorithm>
-#include <memory>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -79,8 +79,8 @@ bool decode_suits(const AttentionProblem<Scalar>& p) noexcept {
 }
 
 // The same under a score program, whose mask the decoding kernel asks per row and chunk: the tiled kernel
-// asks it per tile, and overtakes it sooner (8 queries or more of h 8, d 64 over 4096 keys on the
-// Sapphire Rapids machine: bench/results/flex.md's tree step).
+// asks it per tile and overtakes it at fewer queries than under the fixed options (the measurement is in
+// the commit that set the limit).
 constexpr Eigen::Index kProgramDecodeRows = 4;
 template <typename Scalar>
 bool decode_suits_program(const AttentionProblem<Scalar>& p) noexcept {

@@ -50,8 +50,6 @@ void apply_broadcast_row(Scalar* x, Eigen::Index n, const BroadcastView<Scalar>&
 
 }  // namespace detail
 
-// Program: a score program (kernels/program.hpp) whose score function follows ALiBi, called with the
-// query's position, before the hidden keys become -inf.
 // A program's mask function over the keys of row (b, h, q)'s segment of the block of keys k0 .. (seg, from
 // Visibility::segment; not none), and the mask tensor's holes there: the segment narrowed to the first and
 // last key both keep, with its holes marked in `hidden` (one per key of the block, indexed like seg) when
@@ -129,6 +127,8 @@ bool segment_hole(const typename Visibility<Scalar>::Segment& seg, const Visibil
   return seg.holes != nullptr ? seg.holes[j] : vis.masked(b, h, q, k0 + j);
 }
 
+// Program: a score program (kernels/program.hpp) whose score function follows ALiBi, called with the
+// query's position, before the hidden keys become -inf.
 template <typename Scalar, typename Program = NoProgram>
 class ScorePipeline {
  public:

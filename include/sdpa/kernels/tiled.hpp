@@ -64,8 +64,7 @@ struct Tile {
   bool hidden(const Visibility<Scalar>& vis, Index i, Index j) const noexcept {
     const Segment& seg = segments[i];
     if (j < seg.lo || j >= seg.hi) return true;
-    if (seg.solid) return false;
-    return seg.holes != nullptr ? seg.holes[j] : vis.masked(b, h, q0 + r0 + i, k0 + j);
+    return segment_hole(seg, vis, b, h, q0 + r0 + i, k0, j);
   }
 };
 
