@@ -19,8 +19,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <dirent.h>
 #include <limits>
 #include <memory>
@@ -260,7 +262,9 @@ void expect_exact_plan(const char* name, const Mask& mask, Index batch, Index nq
     for (Index i = 0; i < exact.q_blocks(); ++i)
       for (Index j = 0; j < exact.k_blocks(); ++j) {
         const sdpa::BlockState a = analytic.at(b, 0, i, j);
-        if (a != sdpa::BlockState::kPartial) EXPECT_EQ(a, exact.at(b, 0, i, j)) << "block " << i << ", " << j;
+        if (a != sdpa::BlockState::kPartial) {
+          EXPECT_EQ(a, exact.at(b, 0, i, j)) << "block " << i << ", " << j;
+        }
       }
 }
 
@@ -286,6 +290,125 @@ TEST(FlexPlans, AnalyticPlansAreExact) {
         expect_exact_plan("flex::tree(parents, nk - nq)", flex::tree(parents, nk - nq), 1, nq, nk, qb, kb, false);
       }
     }
+}
+
+// narrow(b, h, q, lo, hi) keeps every key the mask keeps inside [lo, hi), and when it says exact, the mask
+// keeps every key of what it returns.
+template <typename Mask>
+void expect_sound_interval(const char* name, const Mask& m, Index batch, Index nq, Index nk) {
+  SCOPED_TRACE(testing::Message() << name << " nq " << nq << " nk " << nk);
+  for (Index b = 0; b < batch; ++b)
+    for (Index qi = -2; qi < nq + 2; ++qi)
+      for (const auto& [lo0, hi0] : {std::pair<Index, Index>{0, nk}, {3, nk - 2}}) {
+        const Index q = qi + nk - nq;
+        Index lo = lo0, hi = hi0;
+        const bool exact = m.narrow(b, 0, q, lo, hi);
+        for (Index k = lo0; k < hi0; ++k) {
+          const bool inside = k >= lo && k < hi;
+          const bool kept = m(b, 0, q, k);
+          EXPECT_TRUE(!kept || inside) << "b " << b << " q " << q << " k " << k << " outside [" << lo << ", " << hi << ")";
+          EXPECT_TRUE(!(exact && inside) || kept) << "b " << b << " q " << q << " k " << k << " hidden in an exact interval";
+        }
+      }
+}
+
+TEST(FlexPlans, IntervalsHoldEveryKeyTheMaskKeeps) {
+  std::vector<Index> ids;
+  for (Index b = 0; b < 2; ++b)
+    for (Index j = 0; j < 60; ++j) ids.push_back(b == 0 ? j / 11 : (j * j) % 5);  // runs (exact); scattered ids
+  std::vector<Index> parents{-1, 0, 0, 1, -1, 4, 3, 6};
+  for (const auto& [nq, nk] : {std::pair<Index, Index>{60, 60}, {8, 60}, {1, 60}}) {
+    expect_sound_interval("causal", flex::causal{}, 1, nq, nk);
+    expect_sound_interval("sliding_window{5, 0}", flex::sliding_window{5, 0}, 1, nq, nk);
+    expect_sound_interval("sliding_window{3, 9}", flex::sliding_window{3, 9}, 1, nq, nk);
+    expect_sound_interval("sliding_window{-1, 2}", flex::sliding_window{-1, 2}, 1, nq, nk);
+    expect_sound_interval("chunked{8}", flex::chunked{8}, 1, nq, nk);
+    expect_sound_interval("prefix_lm({5, 40})", flex::prefix_lm({5, 40}), 2, nq, nk);
+    expect_sound_interval("document", flex::document(ids, 2), 3, nq, nk);
+    expect_sound_interval("document & causal", flex::and_masks(flex::document(ids, 2), flex::causal{}), 2, nq, nk);
+    expect_sound_interval("window | prefix", flex::or_masks(flex::sliding_window{2, 0}, flex::prefix_lm({4})), 1, nq, nk);
+    expect_sound_interval("window | window, apart", flex::or_masks(flex::sliding_window{0, 0}, flex::sliding_window{-1, -1}), 1, nq, nk);
+    expect_sound_interval("chunk | document", flex::or_masks(flex::chunked{16}, flex::document(ids, 2)), 2, nq, nk);
+    if (nq <= 8) expect_sound_interval("tree", flex::tree(std::vector<Index>(parents.begin(), parents.begin() + nq), nk - nq), 1, nq, nk);
+  }
+  // Scattered ids: the span of an id's positions, not exact; one run per id: exact.
+  const flex::document d(ids, 2);
+  Index lo = 0, hi = 60;
+  EXPECT_TRUE(d.narrow(0, 0, 12, lo, hi));
+  EXPECT_EQ(lo, 11);
+  EXPECT_EQ(hi, 22);
+  lo = 0;
+  hi = 60;
+  EXPECT_FALSE(d.narrow(1, 0, 12, lo, hi));
+}
+
+// A mask of one's own with an interval: the kernels use it as a range and ask the function nothing inside
+// an exact one; the same mask without it is asked for every key of its rows. Both equal the dense
+// reference, forward and backward.
+struct BandWithInterval {
+  Index width = 9;
+  std::shared_ptr<std::atomic<long>> calls = std::make_shared<std::atomic<long>>(0);
+  bool operator()(Index, Index, Index q, Index k) const noexcept {
+    calls->fetch_add(1, std::memory_order_relaxed);
+    return k <= q && k > q - width;
+  }
+  bool narrow(Index, Index, Index q, Index& lo, Index& hi) const noexcept {
+    lo = std::max(lo, q - width + 1);
+    hi = std::min(hi, q + 1);
+    return true;
+  }
+};
+
+TEST(FlexPlans, AMaskOfOnesOwnMayOfferItsInterval) {
+  sdpa_test::Rng rng(17);
+  const Index b = 1, h = 2, n = 300, d = 16;
+  const T4<double> q = random4<double>(rng, b, h, n, d), k = random4<double>(rng, b, h, n, d), v = random4<double>(rng, b, h, n, d);
+  const T4<double> d_out = random4<double>(rng, b, h, n, d);
+  const BandWithInterval band;
+  const auto lambda = [band](Index bb, Index hh, Index qq, Index kk) { return band(bb, hh, qq, kk); };
+  sdpa::AttentionState<double> s0, s1;
+  const sdpa::AttentionOptions<double> o;
+  const T4<double> a = sdpa::attention(q, k, v, o, flex::noop_score{}, band, nullptr, s0);
+  EXPECT_EQ(band.calls->load(), 0);
+  const T4<double> c = sdpa::attention(q, k, v, o, flex::noop_score{}, lambda, nullptr, s1);
+  EXPECT_GE(band.calls->load(), h * n * band.width);
+  Dense ref;
+  ref.visible = [](Index, Index, Index qq, Index kk) { return kk <= qq && kk > qq - 9; };
+  const std::vector<double> r = ref.run(q, k, v);
+  EXPECT_LE(max_abs_diff(a, r), 1e-12);
+  EXPECT_LE(max_abs_diff(c, r), 1e-12);
+  const auto ga = sdpa::attention_backward(d_out, s0), gc = sdpa::attention_backward(d_out, s1);
+  const auto flat = [](const T4<double>& t) { return std::vector<double>(t.data(), t.data() + t.size()); };
+  EXPECT_LE(max_abs_diff(ga.q, flat(gc.q)), 1e-12);
+  EXPECT_LE(max_abs_diff(ga.k, flat(gc.k)), 1e-12);
+  EXPECT_LE(max_abs_diff(ga.v, flat(gc.v)), 1e-12);
+}
+
+// A score function's row form gives what it gives per key, bit for bit, on either side of its reach.
+TEST(FlexScores, RowFormsEqualTheFunctionPerKey) {
+  sdpa_test::Rng rng(23);
+  flex::ScoreTable<float> buckets(3, 32), distances(3, 2 * 20 + 1);
+  for (Index i = 0; i < buckets.size(); ++i) buckets.values().data()[i] = static_cast<float>(rng.normal());
+  for (Index i = 0; i < distances.size(); ++i) distances.values().data()[i] = static_cast<float>(rng.normal());
+  const flex::t5_buckets<float> t5(&buckets, true, 32, 128), causal_t5(&buckets, false, 32, 128);
+  const flex::distance_bias<float> bias{&distances, 20};
+  std::vector<float> x(700), row(700), key(700);
+  for (Index h = 0; h < 3; ++h)
+    for (const Index q : {Index{0}, Index{5}, Index{300}, Index{1000}})
+      for (const auto& [k0, m] : {std::pair<Index, Index>{0, 700}, {250, 100}, {290, 21}, {900, 1}, {0, 0}}) {
+        for (float& e : x) e = static_cast<float>(rng.normal());
+        const auto expect_row = [&](const char* name, const auto& f) {
+          row = x;
+          f.row(row.data(), m, 0, h, q, k0);
+          for (Index j = 0; j < m; ++j) key[static_cast<std::size_t>(j)] = f(x[static_cast<std::size_t>(j)], 0, h, q, k0 + j);
+          EXPECT_TRUE(std::equal(row.begin(), row.begin() + m, key.begin(), [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }))
+              << name << " h " << h << " q " << q << " k0 " << k0 << " m " << m;
+          EXPECT_TRUE(std::equal(row.begin() + m, row.end(), x.begin() + m)) << name << ": wrote past its row";
+        };
+        expect_row("t5_buckets", t5);
+        expect_row("t5_buckets (causal)", causal_t5);
+        expect_row("distance_bias", bias);
+      }
 }
 
 TEST(FlexPlans, APlanGivesTheBitsOfNoPlan) {

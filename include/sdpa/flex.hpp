@@ -76,6 +76,25 @@ template <typename T>
 struct has_check<T, std::void_t<decltype(std::declval<const T&>().check("", Index{}, Index{}, Index{}, Index{}))>>
     : std::true_type {};
 
+template <typename T, typename = void>
+struct has_narrow : std::false_type {};
+template <typename T>
+struct has_narrow<T, std::void_t<decltype(std::declval<const T&>().narrow(Index{}, Index{}, Index{}, std::declval<Index&>(),
+                                                                          std::declval<Index&>()))>> : std::true_type {};
+
+// A mask function's interval (narrow below), or none: [lo, hi) left as it is, not exact.
+template <typename Mask>
+bool narrow(const Mask& m, Index b, Index h, Index q, Index& lo, Index& hi) noexcept {
+  if constexpr (has_narrow<Mask>::value) return m.narrow(b, h, q, lo, hi);
+  else return false;
+}
+
+template <typename T, typename Scalar, typename = void>
+struct has_row : std::false_type {};
+template <typename T, typename Scalar>
+struct has_row<T, Scalar, std::void_t<decltype(std::declval<const T&>().row(std::declval<Scalar*>(), Index{}, Index{}, Index{}, Index{}, Index{}))>>
+    : std::true_type {};
+
 template <typename T, typename Scalar, typename = void>
 struct has_tables : std::false_type {};
 template <typename T, typename Scalar>
@@ -103,15 +122,34 @@ inline BlockState classify(bool none, bool full) noexcept {
   return none ? BlockState::kNone : full ? BlockState::kFull : BlockState::kPartial;
 }
 
+// y[j] += value(clamp(d0 + j, -reach, reach)) for j < m, where value(-reach) = before and value(reach) =
+// after: the runs of keys at or beyond reach on either side get one constant each.
+template <typename Scalar, typename Value>
+void distance_runs(Scalar* y, Index m, Index d0, Index reach, Scalar before, Scalar after, Value value) noexcept {
+  const Index left = std::clamp<Index>(-reach - d0 + 1, 0, m);   // d0 + j <= -reach below it
+  const Index right = std::clamp<Index>(reach - d0, left, m);    // d0 + j >= reach from it on
+  for (Index j = 0; j < left; ++j) y[j] = y[j] + before;
+  for (Index j = left; j < right; ++j) y[j] = y[j] + value(d0 + j);
+  for (Index j = right; j < m; ++j) y[j] = y[j] + after;
+}
+
 }  // namespace detail
 
 // ---- Mask functions with their analytic plans ----
 // plan(batch, heads, nq, nk, q_block, k_block): the exact block plan of the mask for a call of that shape,
 // in O(blocks) (O(nk) more for document), without calling the function.
+// narrow(b, h, q, lo, hi): narrows the key positions [lo, hi) to the interval outside which query q sees
+// nothing, in O(1); returns true when q sees every key of the narrowed interval (the kernels then treat the
+// row as they treat causal or a window: a range, without asking the function). A mask function of one's
+// own may offer it too; it must never drop a key the function keeps.
 
 // k <= q.
 struct causal {
   bool operator()(Index, Index, Index q, Index k) const noexcept { return k <= q; }
+  bool narrow(Index, Index, Index q, Index&, Index& hi) const noexcept {
+    hi = std::min(hi, q + 1);
+    return true;
+  }
   BlockMask plan(Index, Index, Index nq, Index nk, Index q_block = 128, Index k_block = 128) const {
     return detail::plan_of(1, nq, nk, q_block, k_block,
                            [](Index, Index qa, Index qz, Index ka, Index kz) { return detail::classify(ka > qz, kz <= qa); });
@@ -123,6 +161,11 @@ struct sliding_window {
   Index left = -1, right = -1;
   bool operator()(Index, Index, Index q, Index k) const noexcept {
     return (left < 0 || k >= q - left) && (right < 0 || k <= q + right);
+  }
+  bool narrow(Index, Index, Index q, Index& lo, Index& hi) const noexcept {
+    if (left >= 0) lo = std::max(lo, q - left);
+    if (right >= 0) hi = std::min(hi, q + right + 1);
+    return true;
   }
   BlockMask plan(Index, Index, Index nq, Index nk, Index q_block = 128, Index k_block = 128) const {
     const Index l = left, r = right;
@@ -138,6 +181,11 @@ struct sliding_window {
 struct chunked {
   Index size = 1;
   bool operator()(Index, Index, Index q, Index k) const noexcept { return k <= q && floor_div(k) == floor_div(q); }
+  bool narrow(Index, Index, Index q, Index& lo, Index& hi) const noexcept {
+    lo = std::max(lo, floor_div(q) * size);
+    hi = std::min(hi, q + 1);
+    return true;
+  }
   BlockMask plan(Index, Index, Index nq, Index nk, Index q_block = 128, Index k_block = 128) const {
     const chunked c = *this;
     return detail::plan_of(1, nq, nk, q_block, k_block, [c](Index, Index qa, Index qz, Index ka, Index kz) {
@@ -154,11 +202,15 @@ struct chunked {
 
 // Packed documents: one id per key position of each batch entry (ids: batch rows of n, row-major); query
 // q sees key k when both positions hold the same id. Not causal by itself: and_masks(document, causal).
-// Positions outside [0, n) see nothing.
+// Positions outside [0, n), and batch entries past its rows (a packed call's), see nothing.
 struct document {
   std::shared_ptr<const std::vector<Index>> ids;
   const Index* data = nullptr;  // ids->data(): what the function reads (a plain pointer it can keep in a register)
   Index batch = 1, n = 0;
+  // Per position of each batch entry: the first and one past the last position holding its id (narrow),
+  // and per batch entry whether every id's positions are one run (then a query sees exactly that span).
+  std::shared_ptr<const std::vector<Index>> spans;
+  std::shared_ptr<const std::vector<char>> runs;
 
   document() = default;
   document(std::vector<Index> ids_, Index batch_ = 1)
@@ -167,11 +219,44 @@ struct document {
     if (batch_ < 1 || static_cast<Index>(ids->size()) % batch_ != 0)
       sdpa::detail::throw_invalid("flex::document", "ids", sdpa::detail::concat("batch (", batch_, ") rows of equal length"),
                                   sdpa::detail::concat(ids->size(), " ids"));
+    auto span = std::make_shared<std::vector<Index>>(static_cast<std::size_t>(2 * batch * n));
+    auto run = std::make_shared<std::vector<char>>(static_cast<std::size_t>(batch), 1);
+    std::vector<std::pair<Index, Index>> order(static_cast<std::size_t>(n));  // (id, position), sorted
+    for (Index b = 0; b < batch; ++b) {
+      const Index* row = data + b * n;
+      for (Index x = 0; x < n; ++x) order[static_cast<std::size_t>(x)] = {row[x], x};
+      std::sort(order.begin(), order.end());
+      for (std::size_t i = 0; i < order.size();) {
+        std::size_t j = i;
+        while (j < order.size() && order[j].first == order[i].first) ++j;
+        const Index first = order[i].second, last = order[j - 1].second;
+        if (last - first + 1 != static_cast<Index>(j - i)) (*run)[static_cast<std::size_t>(b)] = 0;
+        for (std::size_t e = i; e < j; ++e) {
+          const auto x = static_cast<std::size_t>(b * n + order[e].second);
+          (*span)[2 * x] = first;
+          (*span)[2 * x + 1] = last + 1;
+        }
+        i = j;
+      }
+    }
+    spans = std::move(span);
+    runs = std::move(run);
   }
   bool operator()(Index b, Index, Index q, Index k) const noexcept {
-    if (q < 0 || q >= n || k < 0 || k >= n) return false;
+    if (q < 0 || q >= n || k < 0 || k >= n || (batch != 1 && (b < 0 || b >= batch))) return false;
     const Index* row = data + (batch == 1 ? 0 : b) * n;
     return row[q] == row[k];
+  }
+  bool narrow(Index b, Index, Index q, Index& lo, Index& hi) const noexcept {
+    if (q < 0 || q >= n || (batch != 1 && (b < 0 || b >= batch))) {
+      hi = lo;
+      return true;
+    }
+    const Index e = batch == 1 ? 0 : b;
+    const Index* span = spans->data() + 2 * (e * n + q);
+    lo = std::max(lo, span[0]);
+    hi = std::min(hi, span[1]);
+    return (*runs)[static_cast<std::size_t>(e)] != 0;
   }
   void check(const char* where, Index call_batch, Index, Index, Index nk) const {
     if (batch != 1 && batch != call_batch)
@@ -227,8 +312,16 @@ struct prefix_lm {
 
   prefix_lm() = default;
   explicit prefix_lm(std::vector<Index> lengths) : prefix(std::make_shared<const std::vector<Index>>(std::move(lengths))) {}
-  Index length(Index b) const noexcept { return (*prefix)[prefix->size() == 1 ? 0 : static_cast<std::size_t>(b)]; }
+  // (A batch entry past the lengths, as a packed call may make, has no prefix.)
+  Index length(Index b) const noexcept {
+    if (prefix->size() == 1) return prefix->front();
+    return b >= 0 && static_cast<std::size_t>(b) < prefix->size() ? (*prefix)[static_cast<std::size_t>(b)] : 0;
+  }
   bool operator()(Index b, Index, Index q, Index k) const noexcept { return k < length(b) || k <= q; }
+  bool narrow(Index b, Index, Index q, Index&, Index& hi) const noexcept {
+    hi = std::min(hi, std::max(length(b), q + 1));
+    return true;
+  }
   void check(const char* where, Index call_batch, Index, Index, Index) const {
     const Index n = prefix ? static_cast<Index>(prefix->size()) : 0;
     if (n != 1 && n != call_batch)
@@ -278,8 +371,18 @@ struct tree {
   bool operator()(Index b, Index, Index q, Index k) const noexcept {
     if (k < prefix) return true;
     const Index i = q - prefix, j = k - prefix;
-    if (i < 0 || i >= n || j >= n) return false;
+    if (i < 0 || i >= n || j >= n || (batch != 1 && (b < 0 || b >= batch))) return false;
     return data[((batch == 1 ? 0 : b) * n + i) * n + j] != 0;
+  }
+  // A draft sees no key after itself; a query outside the drafts sees the prefix alone.
+  bool narrow(Index, Index, Index q, Index&, Index& hi) const noexcept {
+    const Index i = q - prefix;
+    if (i < 0 || i >= n) {
+      hi = std::min(hi, prefix);
+      return true;
+    }
+    hi = std::min(hi, q + 1);
+    return false;
   }
   void check(const char* where, Index call_batch, Index, Index nq, Index) const {
     if (batch != 1 && batch != call_batch)
@@ -301,6 +404,31 @@ struct combined_mask {
   bool operator()(Index bb, Index h, Index q, Index k) const noexcept {
     return kAnd ? (a(bb, h, q, k) && b(bb, h, q, k)) : (a(bb, h, q, k) || b(bb, h, q, k));
   }
+  // and: the intersection of the intervals (exact when both are); or: their hull (exact when both are and
+  // they meet). A side without an interval leaves [lo, hi) as it is.
+  bool narrow(Index bb, Index h, Index q, Index& lo, Index& hi) const noexcept {
+    if constexpr (kAnd) {
+      const bool exact_a = detail::narrow(a, bb, h, q, lo, hi);
+      const bool exact_b = detail::narrow(b, bb, h, q, lo, hi);
+      return exact_a && exact_b;
+    } else {
+      Index la = lo, ha = hi, lb = lo, hb = hi;
+      const bool exact_a = detail::narrow(a, bb, h, q, la, ha), exact_b = detail::narrow(b, bb, h, q, lb, hb);
+      if (la >= ha) {
+        lo = lb;
+        hi = hb;
+        return exact_b;
+      }
+      if (lb >= hb) {
+        lo = la;
+        hi = ha;
+        return exact_a;
+      }
+      lo = std::min(la, lb);
+      hi = std::max(ha, hb);
+      return exact_a && exact_b && la <= hb && lb <= ha;
+    }
+  }
   template <typename X = A, typename = std::enable_if_t<detail::has_plan<X>::value && detail::has_plan<B>::value>>
   BlockMask plan(Index batch, Index heads, Index nq, Index nk, Index q_block = 128, Index k_block = 128) const {
     const BlockMask x = a.plan(batch, heads, nq, nk, q_block, k_block), y = b.plan(batch, heads, nq, nk, q_block, k_block);
@@ -321,6 +449,8 @@ combined_mask<A, B, false> or_masks(A a, B b) {
 }
 
 // ---- Score functions ----
+// row(y, m, b, h, q, k0) (optional): y[j] = f(y[j], b, h, q, k0 + j) for j < m, bit for bit as the function
+// gives them, a row at a time (the forward pass uses it; the backward pass calls the function per score).
 
 // T5's relative position buckets (transformers' T5Attention._relative_position_bucket of k - q, float32
 // logarithms as it computes them): s + table(h, bucket). The table is (heads, num_buckets) and learnable.
@@ -371,6 +501,18 @@ struct t5_buckets {
     const Index r = std::clamp(k - q, -max_distance, max_distance);
     return s + table->at(s, h, buckets[r + max_distance]);
   }
+  // Keys at max_distance or more on either side share the last bucket: two constant runs and the buckets
+  // between them.
+  void row(Scalar* y, Index m, Index b, Index h, Index q, Index k0) const noexcept {
+    if (h < 0 || h >= table->rows() || table->cols() < num_buckets) {
+      for (Index j = 0; j < m; ++j) y[j] = (*this)(y[j], b, h, q, k0 + j);
+      return;
+    }
+    const Scalar* t = table->values().data() + h * table->cols();
+    const std::int32_t* at = buckets + max_distance;  // the bucket of distance r at at[r]
+    detail::distance_runs(y, m, k0 - q, max_distance, t[at[-max_distance]], t[at[max_distance]],
+                          [t, at](Index r) { return t[at[r]]; });
+  }
   std::vector<const ScoreTable<Scalar>*> tables() const { return {table}; }
   void check(const char* where, Index, Index heads, Index, Index) const {
     if (table == nullptr || buckets == nullptr) sdpa::detail::throw_invalid(where, "flex::t5_buckets::table", "a ScoreTable", "null");
@@ -390,6 +532,14 @@ struct distance_bias {
   template <typename S>
   S operator()(S s, Index, Index h, Index q, Index k) const noexcept {
     return s + table->at(s, h, std::clamp(k - q, -radius, radius) + radius);
+  }
+  void row(Scalar* y, Index m, Index b, Index h, Index q, Index k0) const noexcept {
+    if (h < 0 || h >= table->rows() || radius < 0 || table->cols() < 2 * radius + 1) {
+      for (Index j = 0; j < m; ++j) y[j] = (*this)(y[j], b, h, q, k0 + j);
+      return;
+    }
+    const Scalar* t = table->values().data() + h * table->cols() + radius;  // distance r at t[r]
+    detail::distance_runs(y, m, k0 - q, radius, t[-radius], t[radius], [t](Index r) { return t[r]; });
   }
   std::vector<const ScoreTable<Scalar>*> tables() const { return {table}; }
   void check(const char* where, Index, Index heads, Index, Index) const {
@@ -439,6 +589,7 @@ class FlexProgram final : public ScoreProgram<Scalar> {
  public:
   static constexpr bool kScore = !std::is_same<Score, noop_score>::value;
   static constexpr bool kMask = !std::is_same<Visible, all_visible>::value;
+  static constexpr bool kScoreRow = detail::has_row<Score, Scalar>::value;
 
   FlexProgram(Score score, Visible visible, std::shared_ptr<const BlockMask> plan, std::vector<const ScoreTable<Scalar>*> tables)
       : score_(std::move(score)), visible_(std::move(visible)), plan_(std::move(plan)), tables_(std::move(tables)) {
@@ -450,7 +601,11 @@ class FlexProgram final : public ScoreProgram<Scalar> {
   S score(S s, Index b, Index h, Index q, Index k) const noexcept {
     return static_cast<S>(score_(s, b, h, q, k));
   }
+  void score_row(Scalar* y, Index m, Index b, Index h, Index q, Index k0) const noexcept {
+    if constexpr (kScoreRow) score_.row(y, m, b, h, q, k0);
+  }
   bool visible(Index b, Index h, Index q, Index k) const noexcept { return visible_(b, h, q, k); }
+  bool narrow(Index b, Index h, Index q, Index& lo, Index& hi) const noexcept { return detail::narrow(visible_, b, h, q, lo, hi); }
   const BlockMask* plan() const noexcept { return plan_.get(); }
   const void* table_id(Index i) const noexcept { return tables_[static_cast<std::size_t>(i)]; }
   Index table_size(Index i) const noexcept { return tables_[static_cast<std::size_t>(i)]->size(); }

@@ -87,8 +87,9 @@ bool decode_suits_program(const AttentionProblem<Scalar>& p) noexcept {
   return p.nq <= kProgramDecodeRows;
 }
 
-// Under a score program (kernels/program.hpp): its score function in the pipeline, its mask function asked
-// for the keys of each row's segment of a chunk (ask_mask in scores.hpp).
+// Under a score program (kernels/program.hpp): its score function in the pipeline, each row's range narrowed
+// by its mask function's interval (narrow_row) and, unless that is exact, the function asked for the keys of
+// each row's segment of a chunk (ask_mask in scores.hpp).
 template <typename Scalar, typename Program>
 void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& program, DecodeWorkspace<Scalar>& ws,
                               const Eigen::ThreadPoolDevice* device = nullptr) {
@@ -135,10 +136,12 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
           const Index r = h * p.nq + q, slot_r = (item * p.heads + h) * p.nq + q;
           ws.states[static_cast<std::size_t>(slot_r)] = SoftmaxRow<Scalar>{};
           std::fill_n(ws.acc.data() + slot_r * p.d_v, p.d_v, Scalar(0));
-          const KeyRange range = visibility.row(b, h, q);
+          KeyRange range = visibility.row(b, h, q);
+          bool exact = true;
+          if constexpr (Program::kMask) exact = narrow_row(program, p, b, h, q, range);
           segs[r] = visibility.segment(range, b, h, q, k0, n);
           if constexpr (Program::kMask) {
-            if (!segs[r].none()) ask_mask(program, visibility, b, h, q, k0, segs[r], ws.holes.data() + (slot * rows + r) * kDecodeChunk);
+            if (!segs[r].none() && !exact) ask_mask(program, visibility, b, h, q, k0, segs[r], ws.holes.data() + (slot * rows + r) * kDecodeChunk);
           }
           any = any || !segs[r].none();
         }
@@ -282,7 +285,9 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
                                 : Scalar(0);
         std::fill_n(out, p.nk, fill);
         if (!st.seen) continue;
-        const KeyRange range = visibility.row(b, h, q);
+        KeyRange range = visibility.row(b, h, q);
+        bool exact = true;
+        if constexpr (Program::kMask) exact = narrow_row(program, p, b, h, q, range);
         const Scalar lse = st.log_sum_exp();
         for (Index k0 = range.lo / kDecodeChunk * kDecodeChunk; k0 < range.hi; k0 += kDecodeChunk) {
           const Index n = std::min(kDecodeChunk, p.nk - k0);
@@ -301,7 +306,7 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
           }
           if constexpr (Program::kMask) {
             Segment seg = visibility.segment(range, b, h, q, k0, n);
-            if (!seg.none()) ask_mask(program, visibility, b, h, q, k0, seg, holes.get());
+            if (!seg.none() && !exact) ask_mask(program, visibility, b, h, q, k0, seg, holes.get());
             pipeline.apply_segment(x, n, b, h, q, k0, seg);
           } else {
             pipeline.apply(x, n, b, h, q, k0, range);

@@ -7,7 +7,13 @@
 // A program P offers:
 //   static constexpr bool kScore, kMask     whether it has a score / a mask function;
 //   S score(S s, Index b, Index h, Index q, Index k) const   (S: Scalar, or flex::Dual<Scalar> backward);
+//   static constexpr bool kScoreRow, void score_row(Scalar* y, Index m, b, h, q, Index k0) const
+//                                                             score over a row's keys k0 .. k0 + m - 1 at
+//                                                             once, bit for bit as score() per key;
 //   bool visible(Index b, Index h, Index q, Index k) const   (true keeps the key);
+//   bool narrow(Index b, Index h, Index q, Index& lo, Index& hi) const   narrows the key positions [lo, hi)
+//                                                             to those the mask may keep; true when it
+//                                                             keeps all of them (it need not be asked);
 //   const BlockMask* plan() const                            (or null);
 //   Index table_count() const, const void* table_id(Index), Index table_size(Index)  (the ScoreTables the
 //                                                             score function reads, for their gradients).
@@ -26,12 +32,15 @@ namespace kernels {
 
 struct NoProgram {
   using Index = Eigen::Index;
-  static constexpr bool kScore = false, kMask = false;
+  static constexpr bool kScore = false, kMask = false, kScoreRow = false;
+  template <typename Scalar>
+  void score_row(Scalar*, Index, Index, Index, Index, Index) const noexcept {}
   template <typename S>
   S score(S s, Index, Index, Index, Index) const noexcept {
     return s;
   }
   bool visible(Index, Index, Index, Index) const noexcept { return true; }
+  bool narrow(Index, Index, Index, Index&, Index&) const noexcept { return true; }
   const BlockMask* plan() const noexcept { return nullptr; }
   Index table_count() const noexcept { return 0; }
   const void* table_id(Index) const noexcept { return nullptr; }

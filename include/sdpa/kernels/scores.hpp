@@ -50,6 +50,21 @@ void apply_broadcast_row(Scalar* x, Eigen::Index n, const BroadcastView<Scalar>&
 
 }  // namespace detail
 
+// Row (b, h, q)'s key range narrowed by a program's mask function (its `narrow`, in positions: the keys
+// outside the interval it returns are hidden). Returns true when the function keeps every key of the
+// narrowed range, so that the kernels need not ask it there.
+template <typename Scalar, typename Program>
+bool narrow_row(const Program& f, const AttentionProblem<Scalar>& p, Eigen::Index b, Eigen::Index h, Eigen::Index q,
+                KeyRange& r) noexcept {
+  using Index = Eigen::Index;
+  const Index base = p.base(b);
+  Index lo = r.lo + base, hi = r.hi + base;
+  const bool exact = f.narrow(b + p.batch_base, h, p.position(b, q) + base, lo, hi);
+  r.lo = std::max(r.lo, lo - base);
+  r.hi = std::max(r.lo, std::min(r.hi, hi - base));
+  return exact;
+}
+
 // A program's mask function over the keys of row (b, h, q)'s segment of the block of keys k0 .. (seg, from
 // Visibility::segment; not none), and the mask tensor's holes there: the segment narrowed to the first and
 // last key both keep, with its holes marked in `hidden` (one per key of the block, indexed like seg) when
@@ -166,7 +181,9 @@ class ScorePipeline {
       if (pre != nullptr) std::copy_n(y, m, pre + seg.lo);
       const Program& f = *program_;
       const Index bb = b + p_.batch_base, base = p_.base(b), pos = p_.position(b, q) + base, key = kbegin + base;
-      for (Index j = 0; j < m; ++j) y[j] = f.score(y[j], bb, h, pos, key + j);
+      if constexpr (Program::kScoreRow) f.score_row(y, m, bb, h, pos, key);
+      else
+        for (Index j = 0; j < m; ++j) y[j] = f.score(y[j], bb, h, pos, key + j);
     } else {
       (void)pre;
     }

@@ -70,9 +70,10 @@ struct Tile {
 
 // Walks the tiles of one group of query rows and forms their scores; shared by the forward, the
 // probabilities and the backward pass. Scratch is sized once per worker; the tile loop allocates nothing.
-// With a program's mask function (kernels/program.hpp), a tile its plan marks none is skipped, one it marks
-// full is not asked, and in any other the function is asked for each key a row's range holds (its answers
-// narrow the row's segment as a mask tensor's would); keep_pre: tiles carry the scores as the program's
+// With a program's mask function (kernels/program.hpp), each row's range is first narrowed by the
+// function's interval (narrow_row), a tile its plan marks none is skipped, one it marks full is not asked,
+// nor a row whose interval is exact, and in any other the function is asked for each key a row's range
+// holds (its answers narrow the row's segment as a mask tensor's would); keep_pre: tiles carry the scores as the program's
 // score function took them (the backward's chain rule).
 template <typename Scalar, typename Program = NoProgram>
 class TileScorer {
@@ -90,6 +91,7 @@ class TileScorer {
         lds_((c.block_k + kLine - 1) / kLine * kLine),
         s_buf_(static_cast<std::size_t>(c.block_q * lds_ + kLine)),
         ranges_(static_cast<std::size_t>(c.group * c.block_q)),
+        exact_(Program::kMask ? static_cast<std::size_t>(c.group * c.block_q) : 0),
         segments_(static_cast<std::size_t>(c.block_q)),
         products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, p_.compute, p_.bf16_path, c.pack_operands),
         k_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_k) : 0),
@@ -105,7 +107,8 @@ class TileScorer {
            Index key_hi = std::numeric_limits<Index>::max()) {
     Index lo = std::numeric_limits<Index>::max(), hi = std::numeric_limits<Index>::min();
     for (Index i = 0; i < rows; ++i) {
-      const KeyRange r = vis_.row(b, h, q0 + i);
+      KeyRange r = vis_.row(b, h, q0 + i);
+      if constexpr (Program::kMask) exact_[static_cast<std::size_t>(i)] = narrow_row(*program(), p_, b, h, q0 + i, r);
       // Field by field: GCC 12 copied the whole struct through the stack, a wide load right after the
       // narrower stores that built it (a store-forwarding stall per row; the same in classify).
       KeyRange& kept = ranges_[static_cast<std::size_t>(i)];
@@ -217,7 +220,7 @@ class TileScorer {
       kept.solid = seg.solid;
       kept.holes = nullptr;
       if constexpr (Program::kMask) {
-        if (state == BlockState::kPartial && !seg.none()) ask_mask(t, i, kept);
+        if (state == BlockState::kPartial && !seg.none() && !exact_[static_cast<std::size_t>(t.r0 + i)]) ask_mask(t, i, kept);
       }
       if (kept.none()) continue;
       t.i0 = std::min(t.i0, i);
@@ -249,6 +252,7 @@ class TileScorer {
   const Index bq_, bk_, lds_;
   std::vector<Scalar> s_buf_;
   std::vector<KeyRange> ranges_;   // per group row
+  std::vector<char> exact_;        // per group row: the program's mask keeps every key of its range
   std::vector<Segment> segments_;  // per tile row of the current tile
   ComputeTileProducts<Scalar> products_;
   TileStats stats_;
