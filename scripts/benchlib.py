@@ -1,11 +1,15 @@
 """What the benchmark scripts share: running a command, running a Google Benchmark executable and reading its
-JSON (every repetition of every case by name), the CPU's name and flags, and replacing one marked section of
+JSON (every repetition of every case by name), the CPU's name and flags, a results table's runner (its
+arguments, its sdpa benchmark, its pip peer, its header), and replacing one marked section of
 bench/RESULTS.md."""
+import argparse
+import datetime
 import json
 import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 
@@ -77,3 +81,69 @@ def replace_section(path, begin, end, lines):
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     with open(path, "w") as f:
         f.write(text)
+
+
+# ---- A runner that writes one bench/results/<name>.md: sdpa's benchmark, then a pip peer in a venv ----
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def runner_args(script, results, repetitions, peer):
+    """The arguments of scripts/<script>, which writes bench/results/<results>: --build, --build-dir, --venv
+    (`peer` says what runs there), --repetitions and --out. Returns (args, the command as typed)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", action="store_true", help="configure and build build-bench first")
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
+    ap.add_argument("--venv", help=f"a virtual environment with torch (pip): {peer} in the same run")
+    ap.add_argument("--repetitions", type=int, default=repetitions)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", results))
+    args = ap.parse_args()
+    return args, f"python3 scripts/{script} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def run_ours(args, target):
+    """Builds (with --build) and runs bench/<target>, every case args.repetitions times: (its runs, case name
+    -> (min, median) ms)."""
+    if args.build:
+        build_benchmarks(ROOT, args.build_dir, [target])
+    exe = os.path.join(args.build_dir, "bench", target)
+    runs, _ = bench(exe, ".", args.repetitions, os.path.join(args.build_dir, target + ".json"))
+    return runs, {name: (min(t), statistics.median(t)) for name, t in times(runs).items()}
+
+
+def run_peer(args, peer, *extra):
+    """Runs bench/peers/<peer> with args.venv's python (nothing without --venv); it prints one JSON object per
+    line. Returns (name -> (min_ms, median_ms), name -> error, the torch version it reported)."""
+    found, errors, version = {}, {}, None
+    if not args.venv:
+        return found, errors, version
+    py = os.path.join(args.venv, "bin", "python")
+    out = subprocess.run([py, os.path.join(ROOT, "bench", "peers", peer), *extra], check=True, capture_output=True,
+                         text=True).stdout
+    for line in out.splitlines():
+        r = json.loads(line)
+        version = r.get("torch", version)
+        if "min_ms" in r:
+            found[r["name"]] = (r["min_ms"], r["median_ms"])
+        elif "error" in r:
+            errors[r["name"]] = r["error"]
+    return found, errors, version
+
+
+def header(title, script, flags, command, repetitions, torch_version):
+    """A results file's first lines: its title, who writes it, the machine and the flags of `flags` it has,
+    the date, the command, what the times are (`repetitions`) and the peer's PyTorch."""
+    model, present = cpu(flags)
+    return [f"# {title}", "", f"Written by scripts/{script}; do not edit by hand.", "",
+            f"- machine: {model}, {os.cpu_count()} cores; flags: {' '.join(present)}",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+            f"- command: `{command}` ({repetitions}, min / median ms)",
+            f"- PyTorch: {torch_version or 'not run (no --venv)'} from pip, torch.set_num_threads as the case says"]
+
+
+def write_results(path, lines):
+    """Writes a results file (and prints it)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))

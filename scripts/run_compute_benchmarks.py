@@ -7,19 +7,12 @@ flags, the date, the command, min and median per case and the ratios issue 49 as
     python3 scripts/run_compute_benchmarks.py --build --venv /tmp/venv [--repetitions 5]
 """
 
-import argparse
-import datetime
-import json
 import os
-import shlex
-import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ["float", "emulated", "avx512_bf16", "amx"]
 FLAGS = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
          "amx_int8"]
@@ -30,45 +23,20 @@ def fmt(x):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", action="store_true", help="configure and build build-bench first")
-    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
-    ap.add_argument("--venv", help="a virtual environment with torch (pip): PyTorch's cases in the same run")
-    ap.add_argument("--repetitions", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "compute.md"))
-    args = ap.parse_args()
-    command = "python3 scripts/run_compute_benchmarks.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    if args.build:
-        benchlib.build_benchmarks(ROOT, args.build_dir, ["compute_bench"])
-    exe = os.path.join(args.build_dir, "bench", "compute_bench")
-    runs, _ = benchlib.bench(exe, ".", args.repetitions, os.path.join(args.build_dir, "compute_bench.json"))
-    ours = {name: (min(t), statistics.median(t)) for name, t in benchlib.times(runs).items()}
+    args, command = benchlib.runner_args("run_compute_benchmarks.py", "compute.md", 5,
+                                         "PyTorch's cases")
+    runs, ours = benchlib.run_ours(args, "compute_bench")
     peaks = {}
     for name, records in runs.items():
         if name.startswith("peak/"):
             key = "GFLOPs" if "GFLOPs" in records[0] else "FLOPS"
             scale = 1.0 if key == "GFLOPs" else 1e-9
             peaks[name] = max(r[key] for r in records) * scale
-    torch = {}
-    torch_version = None
-    if args.venv:
-        py = os.path.join(args.venv, "bin", "python")
-        out = subprocess.run([py, os.path.join(ROOT, "bench", "peers", "compute_peer.py"), "--repetitions",
-                              str(2 * args.repetitions)], check=True, capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            r = json.loads(line)
-            if "min_ms" in r:
-                torch[r["name"]] = (r["min_ms"], r["median_ms"])
-            torch_version = r["torch"]
-
-    model, flags = benchlib.cpu(FLAGS)
-    lines = ["# Compute::kBf16 against kFloat and PyTorch (bench/compute_bench.cpp, bench/peers/compute_peer.py)", "",
-             "Written by scripts/run_compute_benchmarks.py; do not edit by hand.", "",
-             f"- machine: {model}, {os.cpu_count()} cores; flags: {' '.join(flags)}",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-             f"- command: `{command}` ({args.repetitions} repetitions of each sdpa case, min / median ms)",
-             f"- PyTorch: {torch_version or 'not run (no --venv)'} from pip, torch.set_num_threads as the case says", "",
-             "## Peaks (1 thread, GFLOP/s)", "", "| instruction | GFLOP/s |", "|---|---:|"]
+    torch, _, torch_version = benchlib.run_peer(args, "compute_peer.py", "--repetitions", str(2 * args.repetitions))
+    lines = benchlib.header("Compute::kBf16 against kFloat and PyTorch (bench/compute_bench.cpp, bench/peers/compute_peer.py)",
+                            "run_compute_benchmarks.py", FLAGS, command,
+                            f"{args.repetitions} repetitions of each sdpa case", torch_version)
+    lines += ["", "## Peaks (1 thread, GFLOP/s)", "", "| instruction | GFLOP/s |", "|---|---:|"]
     for name in sorted(peaks):
         lines.append(f"| {name[len('peak/'):]} | {peaks[name]:.0f} |")
     amx_peak = peaks.get("peak/bf16/amx")
@@ -116,10 +84,7 @@ def main():
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {speed} | {vs_torch} | {fmt(gflops)}{of_peak} |")
     lines += ["", "Ratios use the minima; \"best kBf16\" is the fastest bfloat16 path of the run (the one "
               "sdpa chooses by default on this CPU is the highest it runs: amx, then avx512_bf16)."]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    benchlib.write_results(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -7,19 +7,12 @@ command, min and median per case and the ratios issue 47 asks for.
     python3 scripts/run_flex_benchmarks.py --build --venv /tmp/venv [--repetitions 3]
 """
 
-import argparse
-import datetime
-import json
 import os
-import shlex
-import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
 
 
@@ -32,41 +25,14 @@ def ratio(a, b):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", action="store_true", help="configure and build build-bench first")
-    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"))
-    ap.add_argument("--venv", help="a virtual environment with torch (pip): PyTorch's flex_attention in the same run")
-    ap.add_argument("--repetitions", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flex.md"))
-    args = ap.parse_args()
-    command = "python3 scripts/run_flex_benchmarks.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    if args.build:
-        benchlib.build_benchmarks(ROOT, args.build_dir, ["flex_bench"])
-    exe = os.path.join(args.build_dir, "bench", "flex_bench")
-    runs, _ = benchlib.bench(exe, ".", args.repetitions, os.path.join(args.build_dir, "flex_bench.json"))
-    ours = {name: (min(t), statistics.median(t)) for name, t in benchlib.times(runs).items()}
-
-    torch, torch_errors, torch_version = {}, {}, None
-    if args.venv:
-        py = os.path.join(args.venv, "bin", "python")
-        out = subprocess.run([py, os.path.join(ROOT, "bench", "peers", "flex_peer.py"), "--n", "4096", "--repetitions",
-                              str(args.repetitions)], check=True, capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            r = json.loads(line)
-            torch_version = r.get("torch", torch_version)
-            if "min_ms" in r:
-                torch[r["name"]] = (r["min_ms"], r["median_ms"])
-            elif "error" in r:
-                torch_errors[r["name"]] = r["error"]
-
-    model, flags = benchlib.cpu(FLAGS)
-    lines = ["# Programmable attention (bench/flex_bench.cpp, bench/peers/flex_peer.py)", "",
-             "Written by scripts/run_flex_benchmarks.py; do not edit by hand.", "",
-             f"- machine: {model}, {os.cpu_count()} cores; flags: {' '.join(flags)}",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-             f"- command: `{command}` ({args.repetitions} repetitions of each case, min / median ms)",
-             f"- PyTorch: {torch_version or 'not run (no --venv)'} from pip, torch.set_num_threads as the case says",
-             "- float32, sdpa::attention on (1, 8, N, 64) head tensors (d_model 512's heads)", ""]
+    args, command = benchlib.runner_args("run_flex_benchmarks.py", "flex.md", 3, "PyTorch's flex_attention")
+    _, ours = benchlib.run_ours(args, "flex_bench")
+    torch, torch_errors, torch_version = benchlib.run_peer(args, "flex_peer.py", "--n", "4096", "--repetitions",
+                                                           str(args.repetitions))
+    lines = benchlib.header("Programmable attention (bench/flex_bench.cpp, bench/peers/flex_peer.py)",
+                            "run_flex_benchmarks.py", FLAGS, command, f"{args.repetitions} repetitions of each case",
+                            torch_version)
+    lines += ["- float32, sdpa::attention on (1, 8, N, 64) head tensors (d_model 512's heads)", ""]
 
     def row(label, *cells):
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -118,10 +84,7 @@ def main():
         tr, si = ours.get(f"flex/tree/tree/N:4096{th}"), ours.get(f"flex/tree/single/N:4096{th}")
         row(cell(tr), cell(si), ratio(tr, si))
         lines.append("")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    benchlib.write_results(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -11,23 +11,13 @@ no state to start from). Eval, no grad, torch.set_num_threads(T). One JSON line 
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from peerlib import timed
+
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
-
-
-def timed(fn, repetitions):
-    fn()
-    times = []
-    for _ in range(repetitions):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return min(times), statistics.median(times)
 
 
 class Module(torch.nn.Module):

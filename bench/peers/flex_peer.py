@@ -27,7 +27,6 @@ the case carries the error. One JSON line per case on stdout (progress on stderr
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -36,20 +35,12 @@ import torch
 import torch._dynamo
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from peerlib import timed
+
 MAX_N = 8192  # eager materialises (1, 8, n, n) float32 scores: 2 GiB per tensor at 8192
 CASES = ("causal", "document", "sliding", "prefix_lm", "t5")
 HEADS, HEAD_DIM, WINDOW = 8, 64, 256
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128
-
-
-def timed(fn, repetitions):
-    fn()
-    times = []
-    for _ in range(repetitions):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return min(times), statistics.median(times)
 
 
 def log(*parts):

@@ -14,11 +14,11 @@ the time does not depend on which.
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import transformers
+
+from peerlib import timed
 
 BATCH, TOKENS = 32, 128
 
@@ -57,15 +57,9 @@ def main():
         for threads in args.threads:
             torch.set_num_threads(threads)
             with torch.inference_mode():
-                for _ in range(3):
-                    run()
-                times = []
-                for _ in range(args.repetitions):
-                    t0 = time.perf_counter()
-                    run()
-                    times.append((time.perf_counter() - t0) * 1e3)
-            print(json.dumps({"impl": impl, "threads": threads, "min_ms": min(times),
-                              "median_ms": statistics.median(times), "torch": torch.__version__,
+                lo, med = timed(run, args.repetitions, warmup=3)
+            print(json.dumps({"impl": impl, "threads": threads, "min_ms": lo,
+                              "median_ms": med, "torch": torch.__version__,
                               "transformers": transformers.__version__}), flush=True)
 
 

@@ -71,10 +71,10 @@ struct Tile {
 // Walks the tiles of one group of query rows and forms their scores; shared by the forward, the
 // probabilities and the backward pass. Scratch is sized once per worker; the tile loop allocates nothing.
 // With a program's mask function (kernels/program.hpp), each row's range is first narrowed by the
-// function's interval (narrow_row), a tile its plan marks none is skipped, one it marks full is not asked,
+// function's interval (narrow_row); a tile its plan marks none is skipped, one it marks full is not asked,
 // nor a row whose interval is exact, and in any other the function is asked for each key a row's range
-// holds (its answers narrow the row's segment as a mask tensor's would); keep_pre: tiles carry the scores as the program's
-// score function took them (the backward's chain rule).
+// holds (its answers narrow the row's segment as a mask tensor's would). keep_pre: tiles carry the scores
+// as the program's score function took them (the backward's chain rule).
 template <typename Scalar, typename Program = NoProgram>
 class TileScorer {
  public:
