@@ -8,6 +8,8 @@ attention blocks compute in them, for tests/hf_test.cpp, which loads the blocks 
                                                                        sliding and full layers
     gpt_oss  GptOssForCausalLM, sinks, biases, yarn (not truncated), sliding and full layers
     gpt2     GPT2LMHeadModel (c_attn fused and transposed)     bert     BertModel (a padding mask)
+    gpt2_layer_scaled, gpt2_unscaled  GPT-2 with scale_attn_by_inverse_layer_idx (and reorder_and_upcast_attn),
+             and without scale_attn_weights               bert_decoder  BERT with is_decoder (causal)
 
 For each layer: the hidden states entering its attention (after the layer norm, captured by a hook) and the
 attention block's output (o_proj / c_proj / output.dense applied), on a prompt of `prompt` tokens (batch 2,
@@ -17,7 +19,7 @@ the second with padding for BERT), and the same for step-by-step decoding with t
     layer<i>.step<t>.output; attention_mask (b, n) i64 for BERT; torch and transformers versions.
 
 Run in a virtual environment with `pip install torch transformers numpy safetensors`:
-    python3 scripts/make_hf_fixtures.py
+    python3 scripts/make_hf_fixtures.py [model ...]
 """
 
 import hashlib
@@ -137,14 +139,15 @@ def make_decoder(name, cls, config, prompt=7, steps=4, batch=2):
     write_fixture(directory, entries)
 
 
-def make_gpt2():
+def make_gpt2(name="gpt2", **overrides):
     from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0,
+                        **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).eval()
-    randomize(model, mf.seed_of("hf/gpt2"))
-    directory = os.path.join(OUT, "gpt2")
+    randomize(model, mf.seed_of("hf/" + name))
+    directory = os.path.join(OUT, name)
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -159,15 +162,15 @@ def make_gpt2():
     write_fixture(directory, entries)
 
 
-def make_bert():
+def make_bert(name="bert", **overrides):
     from transformers import BertConfig, BertModel
     config = BertConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=64, intermediate_size=64,
-                        max_position_embeddings=64)
+                        max_position_embeddings=64, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = BertModel(config, add_pooling_layer=False).eval()
-    randomize(model, mf.seed_of("hf/bert"))
-    directory = os.path.join(OUT, "bert")
+    randomize(model, mf.seed_of("hf/" + name))
+    directory = os.path.join(OUT, name)
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -197,11 +200,24 @@ def make_bert():
 
 
 def main():
+    """Every model, or those named on the command line."""
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    wanted = set(sys.argv[1:])
+    def want(name):
+        return not wanted or name in wanted
     for name, (cls, config) in decoders().items():
-        make_decoder(name, cls, config)
-    make_gpt2()
-    make_bert()
+        if want(name):
+            make_decoder(name, cls, config)
+    if want("gpt2"):
+        make_gpt2()
+    if want("gpt2_layer_scaled"):  # scores divided by layer + 1 too, through the upcast and reordered product
+        make_gpt2("gpt2_layer_scaled", scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)
+    if want("gpt2_unscaled"):
+        make_gpt2("gpt2_unscaled", scale_attn_weights=False)
+    if want("bert"):
+        make_bert()
+    if want("bert_decoder"):  # is_decoder: causal self-attention
+        make_bert("bert_decoder", is_decoder=True)
 
 
 if __name__ == "__main__":

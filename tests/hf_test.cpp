@@ -44,7 +44,8 @@ struct Model {
 
 const Model kModels[] = {{"llama", HfLayout::kLlama},   {"mistral", HfLayout::kMistral}, {"qwen2", HfLayout::kQwen2},
                          {"gemma2", HfLayout::kGemma2}, {"gpt_oss", HfLayout::kGptOss},  {"gpt2", HfLayout::kGpt2},
-                         {"bert", HfLayout::kBert}};
+                         {"bert", HfLayout::kBert},     {"gpt2_layer_scaled", HfLayout::kGpt2},
+                         {"gpt2_unscaled", HfLayout::kGpt2}, {"bert_decoder", HfLayout::kBert}};
 
 // layers.json: the attention blocks' prefixes, in layer order.
 std::vector<std::string> prefixes(const std::string& model) {
@@ -142,6 +143,14 @@ TEST(HfModels, ConfigsGiveEachLayerItsSettings) {
   EXPECT_EQ(mistral.num_kv_heads, 1);
   const auto bert = sdpa::read_hf_config(model_dir("bert") + "/config.json", HfLayout::kBert);
   EXPECT_FALSE(bert.causal);
+  EXPECT_TRUE(sdpa::read_hf_config(model_dir("bert_decoder") + "/config.json", HfLayout::kBert).causal);
+  // GPT-2's layer scaling: layer 1 divides the scores by sqrt(16) * 2; without scale_attn_weights, by 2 only.
+  for (const auto& [model, want] : {std::pair<const char*, double>{"gpt2_layer_scaled", 1 / (4.0 * 2)}, {"gpt2_unscaled", 1.0}}) {
+    const auto c = sdpa::read_hf_config(model_dir(model) + "/config.json", HfLayout::kGpt2);
+    auto att = sdpa::make_hf_attention<double>(c);
+    const auto o = sdpa::load_hf_attention(att, model_dir(model) + "/model.safetensors", prefixes(model)[1], HfLayout::kGpt2);
+    EXPECT_DOUBLE_EQ(o.scale, want) << model;
+  }
   EXPECT_FALSE(bert.has_rotary);
   const auto qwen = sdpa::read_hf_config(model_dir("qwen2") + "/config.json", HfLayout::kQwen2);
   EXPECT_EQ(qwen.sliding_window, -1);  // use_sliding_window is false
@@ -243,6 +252,20 @@ TEST(HfModels, ConfigsSdpaCannotFollowAreRefused) {
   refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j["num_attention_heads"] = "four"; },
          "\"num_attention_heads\" must be a non-negative integer");
   refuse("mistral", HfLayout::kMistral, [](nlohmann::json& j) { j["attention_bias"] = 3; }, "must be true or false");
+  // Fields of the wrong JSON type, as transformers refuses them.
+  refuse("gemma2", HfLayout::kGemma2, [](nlohmann::json& j) { j["layer_types"] = "sliding_attention"; },
+         "\"layer_types\" must be a list of strings, but is \"sliding_attention\"");
+  refuse("gemma2", HfLayout::kGemma2, [](nlohmann::json& j) { j["layer_types"] = {"sliding_attention", 1}; },
+         "\"layer_types\" must be a list of strings, but holds 1");
+  refuse("gemma2", HfLayout::kGemma2, [](nlohmann::json& j) { j["layer_types"] = {"sliding_attention", "linear_attention"}; },
+         "\"layer_types\" holds \"linear_attention\"");
+  refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j["rope_scaling"] = "llama3"; },
+         "\"rope_scaling\" must be an object");
+  refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j["rope_parameters"]["rope_type"] = 3; },
+         "\"rope_type\" must be a string");
+  refuse("gpt2", HfLayout::kGpt2, [](nlohmann::json& j) { j["scale_attn_by_inverse_layer_idx"] = "yes"; },
+         "\"scale_attn_by_inverse_layer_idx\" must be true or false");
+  refuse("bert", HfLayout::kBert, [](nlohmann::json& j) { j["is_decoder"] = 1; }, "\"is_decoder\" must be true or false");
   const std::string msg = message_of([] { sdpa::read_hf_config(model_dir("none") + "/config.json", HfLayout::kBert); });
   EXPECT_NE(msg.find("cannot open"), std::string::npos) << msg;
   // A module whose head count the config does not divide is refused by the constructor it builds.

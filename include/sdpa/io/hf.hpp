@@ -17,6 +17,9 @@
 //                                                           "model.layers.3.self_attn.", sdpa::HfLayout::kLlama);
 //   auto y = att(x, x, x, o);   // o: causal, the window, softcap, scale, sinks of layer 3
 //
+// Every config key that changes the attention's arithmetic is followed or refused: BERT's is_decoder
+// (causal), GPT-2's scale_attn_weights and scale_attn_by_inverse_layer_idx (the scale of the returned
+// options), a key of the wrong JSON type (layer_types given as a string, rope_scaling as a string).
 // Everything is read from files already on disk (nothing is fetched). A missing tensor, a tensor of the
 // wrong shape and a config sdpa cannot follow (an unknown rope_type) throw SafetensorsError (a
 // std::runtime_error) naming the file and the problem; a module of another shape than the config's throws
@@ -70,6 +73,11 @@ struct HfAttentionConfig {
   double softcap = 0;                // attn_logit_softcapping
   double scale = 0;                  // query_pre_attn_scalar^-1/2 (Gemma 2); 0: 1 / sqrt(head_dim)
   bool attention_bias = false;       // q/k/v/o biases (Llama's attention_bias, gpt-oss); Qwen2: q/k/v only
+  // GPT-2: scale_attn_weights (false: scores not divided by sqrt(head_dim)) and
+  // scale_attn_by_inverse_layer_idx (scores divided by layer + 1 too); reorder_and_upcast_attn only moves
+  // the scale into a float32 product, which is what sdpa computes anyway.
+  bool scale_attn_weights = true;
+  bool scale_by_inverse_layer = false;
 };
 
 namespace detail {
@@ -115,6 +123,37 @@ inline bool boolean(const nlohmann::json& j, const std::string& path, const char
   return it->get<bool>();
 }
 
+// `key` of j when it is a JSON object; absent or null: an empty object; any other type refused.
+inline nlohmann::json object(const nlohmann::json& j, const std::string& path, const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return nlohmann::json::object();
+  if (!it->is_object()) fail(path, std::string("config.json \"") + key + "\" must be an object, but is " + it->dump());
+  return *it;
+}
+
+// `key` of j when it is a string; absent or null: fallback; any other type refused.
+inline std::string text(const nlohmann::json& j, const std::string& path, const char* key, const std::string& fallback) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_string()) fail(path, std::string("config.json \"") + key + "\" must be a string, but is " + it->dump());
+  return it->get<std::string>();
+}
+
+// `key` of j as a list of strings; absent or null: empty; anything else (a string, a list holding a number)
+// refused.
+inline std::vector<std::string> texts(const nlohmann::json& j, const std::string& path, const char* key) {
+  std::vector<std::string> out;
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return out;
+  if (!it->is_array()) fail(path, std::string("config.json \"") + key + "\" must be a list of strings, but is " + it->dump());
+  for (const auto& t : *it) {
+    if (!t.is_string())
+      fail(path, std::string("config.json \"") + key + "\" must be a list of strings, but holds " + t.dump());
+    out.push_back(t.get<std::string>());
+  }
+  return out;
+}
+
 // The layer index in a prefix such as "model.layers.3.self_attn." or "transformer.h.0.attn.": the last
 // all-digit component of at most 9 digits (longer ones name no layer a config has); -1 when there is none.
 inline Eigen::Index layer_of(const std::string& prefix) {
@@ -134,16 +173,12 @@ inline Eigen::Index layer_of(const std::string& prefix) {
 // The rotary of a decoder's config: rope_parameters (transformers 5) or rope_theta + rope_scaling (4), the
 // rotated share of each head (partial_rotary_factor).
 inline void read_rope(const nlohmann::json& j, HfAttentionConfig& c) {
-  nlohmann::json rope = nlohmann::json::object();
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = j["rope_parameters"];
-  if (j.contains("rope_scaling") && j["rope_scaling"].is_object())
-    for (const auto& [k, v] : j["rope_scaling"].items()) rope[k] = v;
+  nlohmann::json rope = object(j, c.path, "rope_parameters");
+  for (const auto& [k, v] : object(j, c.path, "rope_scaling").items()) rope[k] = v;
   const double theta = number(rope, c.path, "rope_theta", number(j, c.path, "rope_theta", 10000.0));
   const double partial = number(rope, c.path, "partial_rotary_factor", number(j, c.path, "partial_rotary_factor", 1.0));
   const Eigen::Index dim = static_cast<Eigen::Index>(static_cast<double>(c.head_dim) * partial);
-  std::string type = "default";
-  if (rope.contains("rope_type") && rope["rope_type"].is_string()) type = rope["rope_type"].get<std::string>();
-  else if (rope.contains("type") && rope["type"].is_string()) type = rope["type"].get<std::string>();
+  const std::string type = text(rope, c.path, "rope_type", text(rope, c.path, "type", "default"));
   const Eigen::Index max_positions = integer(j, c.path, "max_position_embeddings", false, 2048);
   const Eigen::Index original = integer(rope, c.path, "original_max_position_embeddings", false, max_positions);
   // yarn without a factor scales from the pretrained length to max_position_embeddings (transformers' rule).
@@ -196,15 +231,23 @@ inline HfAttentionConfig read_hf_config(const std::string& path, HfLayout layout
   c.num_kv_heads = hf::integer(j, path, "num_key_value_heads", false, c.num_heads);
   c.head_dim = hf::integer(j, path, "head_dim", false, c.hidden_size / c.num_heads);
   if (c.head_dim <= 0) hf::fail(path, "config.json gives a head_dim of 0");
-  c.causal = layout != HfLayout::kBert;
+  // BERT attends both ways unless it is configured as a decoder (transformers: is_causal = is_decoder).
+  c.causal = layout != HfLayout::kBert || hf::boolean(j, path, "is_decoder", false);
+  if (layout == HfLayout::kGpt2) {
+    c.scale_attn_weights = hf::boolean(j, path, "scale_attn_weights", true);
+    c.scale_by_inverse_layer = hf::boolean(j, path, "scale_attn_by_inverse_layer_idx", false);
+    hf::boolean(j, path, "reorder_and_upcast_attn", false);  // checked; the same float32 arithmetic either way
+  }
   if (layout == HfLayout::kBert || layout == HfLayout::kGpt2) return c;
   hf::read_rope(j, c);
   c.attention_bias = hf::boolean(j, path, "attention_bias", layout == HfLayout::kGptOss);
   // Qwen2 has a sliding_window that only applies with use_sliding_window.
   if (layout != HfLayout::kQwen2 || hf::boolean(j, path, "use_sliding_window", false))
     c.sliding_window = hf::integer(j, path, "sliding_window", false, -1);
-  if (j.contains("layer_types") && j["layer_types"].is_array())
-    for (const auto& t : j["layer_types"]) c.layer_types.push_back(t.is_string() ? t.get<std::string>() : "");
+  c.layer_types = hf::texts(j, path, "layer_types");
+  for (const std::string& t : c.layer_types)
+    if (t != "sliding_attention" && t != "full_attention")
+      hf::fail(path, "config.json \"layer_types\" holds \"" + t + "\"; sdpa follows \"sliding_attention\" and \"full_attention\"");
   if (layout == HfLayout::kGemma2) {
     c.softcap = hf::number(j, path, "attn_logit_softcapping", 0.0);
     const double scalar = hf::number(j, path, "query_pre_attn_scalar", static_cast<double>(c.head_dim));
@@ -327,6 +370,14 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
   if (sliding) o.window_left = c.sliding_window - 1;
   o.softcap = static_cast<Scalar>(c.softcap);
   o.scale = static_cast<Scalar>(c.scale);
+  if (layout == HfLayout::kGpt2 && (!c.scale_attn_weights || c.scale_by_inverse_layer)) {
+    double scale = c.scale_attn_weights ? 1.0 / std::sqrt(static_cast<double>(c.head_dim)) : 1.0;
+    if (c.scale_by_inverse_layer) {
+      if (layer < 0) hf::fail(cfg_path, "prefix \"" + prefix + "\" names no layer (scale_attn_by_inverse_layer_idx depends on it)");
+      scale /= static_cast<double>(layer + 1);
+    }
+    o.scale = static_cast<Scalar>(scale);
+  }
   o.sinks = sinks;
   // Everything read: the module changes now (weights rounded to the module's weight storage, if narrower).
   const auto put = [](const std::vector<Scalar>& from, Scalar* to) { std::copy(from.begin(), from.end(), to); };
