@@ -63,6 +63,82 @@ def decoders():
     }
 
 
+def new_decoders():
+    """The blocks of issue 48: QK-norm (per head, whole projection, 1 + w, Llama 4's weightless one after
+    the rotary), the output gate, chunked and NoPE layers with temperature tuning, a rotary per layer kind."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Llama4ForCausalLM, Llama4TextConfig, Olmo2Config,
+                              Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
+    common = dict(COMMON)
+    return {
+        # 6 heads of 16 in a hidden size of 64 (head_dim != hidden / heads), GQA groups of 3.
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**dict(common, num_attention_heads=6), num_key_value_heads=2, head_dim=16,
+                                               rope_scaling={"rope_type": "linear", "factor": 2.0})),
+        "olmo2": (Olmo2ForCausalLM, Olmo2Config(**common, num_key_value_heads=2,
+                                               rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                             "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 16})),
+        "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                                      sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                                                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                          "rope_theta": 10000.0},
+                                                                       "sliding_attention": {"rope_type": "default",
+                                                                                             "rope_theta": 500.0}},
+                                                      final_logit_softcapping=None)),
+        "qwen3_next": (Qwen3NextForCausalLM, Qwen3NextConfig(
+            **common, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+            layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=2, num_experts=2,
+            num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+        # Layer 0 chunked (chunks of 4) with the L2 norm after its interleaved rotary; layer 1 NoPE with
+        # temperature tuning (floor_scale 2, so that it changes within the prompt).
+        "llama4_text": (Llama4ForCausalLM, Llama4TextConfig(
+            **common, num_key_value_heads=2, head_dim=16, intermediate_size_mlp=64, num_local_experts=2,
+            num_experts_per_tok=1, no_rope_layers=[1, 0], attention_chunk_size=4, attn_temperature_tuning=True,
+            floor_scale=2, attn_scale=0.25, use_qk_norm=True,
+            rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 32, "rope_theta": 10000.0})),
+    }
+
+
+def capture_gradients(model, ids, seed):
+    """Per attention block, autograd's gradients of sum(output * R) (R random, of the output's shape) with
+    respect to its input and its parameters, on a prefill of ids."""
+    seen = {}
+    hooks = []
+    for name, m in attention_modules(model):
+        def pre(mod, args, kwargs, name=name):
+            if "hidden_states" in kwargs:
+                kwargs = dict(kwargs)
+                kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_()
+                seen[name] = {"x": kwargs["hidden_states"]}
+                return args, kwargs
+            x = args[0].detach().requires_grad_()
+            seen[name] = {"x": x}
+            return (x,) + tuple(args[1:]), kwargs
+
+        def post(mod, args, kwargs, out, name=name):
+            seen[name]["y"] = out[0]
+        hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(m.register_forward_hook(post, with_kwargs=True))
+    try:
+        with torch.enable_grad():
+            model(ids, use_cache=False)
+            out = {}
+            g = torch.Generator().manual_seed(seed)
+            for name, m in attention_modules(model):
+                x, y = seen[name]["x"], seen[name]["y"]
+                r = torch.randn(y.shape, generator=g, dtype=y.dtype)
+                params = dict(m.named_parameters())
+                keys = sorted(params)
+                grads = torch.autograd.grad((y * r).sum(), [x] + [params[k] for k in keys])
+                out[name] = {"seed_output": r, "input": grads[0]}
+                out[name].update({k: gr for k, gr in zip(keys, grads[1:])})
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
 def attention_modules(model):
     for name, m in model.named_modules():
         if name.endswith("self_attn") or name.endswith(".attn") or name.endswith("attention.self"):
@@ -108,7 +184,7 @@ def version_entries():
             ("transformers_version", np.int64(tr[0] * 10000 + tr[1] * 100 + tr[2]))]
 
 
-def make_decoder(name, cls, config, prompt=7, steps=4, batch=2):
+def make_decoder(name, cls, config, prompt=7, steps=4, batch=2, gradients=False):
     from transformers import DynamicCache
     torch.manual_seed(0)
     config._attn_implementation = "eager"
@@ -133,6 +209,10 @@ def make_decoder(name, cls, config, prompt=7, steps=4, batch=2):
                                                 position_ids=torch.full((batch, 1), pos)))
             for i, n in enumerate(names):
                 entries += [(f"layer{i}.step{t}.input", seen[n][0]), (f"layer{i}.step{t}.output", seen[n][1])]
+    if gradients:
+        for i, n in enumerate(names):
+            for k, v in capture_gradients(model, ids[:, :prompt], mf.seed_of("hf/" + name + "/grad")).get(n, {}).items():
+                entries.append((f"layer{i}.grad.{k}", v.detach().double().numpy()))
     entries.append(("layer_prefixes", np.array([len(n) for n in names], dtype=np.int64)))
     with open(os.path.join(directory, "layers.json"), "w") as f:
         json.dump([n + "." for n in names], f)
@@ -208,6 +288,9 @@ def main():
     for name, (cls, config) in decoders().items():
         if want(name):
             make_decoder(name, cls, config)
+    for name, (cls, config) in new_decoders().items():
+        if want(name):
+            make_decoder(name, cls, config, gradients=True)
     if want("gpt2"):
         make_gpt2()
     if want("gpt2_layer_scaled"):  # scores divided by layer + 1 too, through the upcast and reordered product

@@ -45,7 +45,9 @@ struct Model {
 const Model kModels[] = {{"llama", HfLayout::kLlama},   {"mistral", HfLayout::kMistral}, {"qwen2", HfLayout::kQwen2},
                          {"gemma2", HfLayout::kGemma2}, {"gpt_oss", HfLayout::kGptOss},  {"gpt2", HfLayout::kGpt2},
                          {"bert", HfLayout::kBert},     {"gpt2_layer_scaled", HfLayout::kGpt2},
-                         {"gpt2_unscaled", HfLayout::kGpt2}, {"bert_decoder", HfLayout::kBert}};
+                         {"gpt2_unscaled", HfLayout::kGpt2}, {"bert_decoder", HfLayout::kBert},
+                         {"qwen3", HfLayout::kQwen3},   {"olmo2", HfLayout::kOlmo2},     {"gemma3", HfLayout::kGemma3},
+                         {"qwen3_next", HfLayout::kQwen3Next}, {"llama4_text", HfLayout::kLlama4}};
 
 // layers.json: the attention blocks' prefixes, in layer order.
 std::vector<std::string> prefixes(const std::string& model) {
@@ -74,12 +76,65 @@ Eigen::Tensor<Scalar, 3, Eigen::RowMajor> input(const Fixture& f, const std::str
 }
 
 template <typename Scalar>
+double relative_error(const std::vector<Scalar>& a, const Eigen::Tensor<double, 1, Eigen::RowMajor>& b) {
+  EXPECT_EQ(static_cast<Eigen::Index>(a.size()), b.size());
+  double diff = 0, scale = 1e-30;
+  for (Eigen::Index i = 0; i < b.size() && i < static_cast<Eigen::Index>(a.size()); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[static_cast<std::size_t>(i)]) - b(i)));
+    scale = std::max(scale, std::abs(b(i)));
+  }
+  return diff / scale;
+}
+
+// The module's gradients of sum(output * R) against autograd's (the fixture's layer<i>.grad.*): the input's
+// (queries + keys + values: one tensor), the projections' weights, the QK-norm's weights (their 1 + w form
+// has the gradient of w), and for Qwen3-Next q_proj's, whose rows interleave fc_q's and fc_g's per head.
+template <typename Scalar>
+void check_gradients(const Model& m, const Fixture& f, const std::string& tag, ScaledDotProductAttention<Scalar>& att,
+                     const Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& x, const AttentionOptions<Scalar>& o, double tolerance) {
+  SCOPED_TRACE("gradients");
+  sdpa::ForwardState<Scalar> state;
+  att.forward(x, x, x, o, state);
+  const auto r = input<Scalar>(f, tag + ".grad.seed_output");
+  const sdpa::Gradients<Scalar> g = att.backward(r, state);
+  const Eigen::Tensor<Scalar, 3, Eigen::RowMajor> dx = g.queries + g.keys + g.values;
+  EXPECT_LT(relative_error<Scalar>(dx, sdpa_test::to_tensor<double, 3>(f, tag + ".grad.input")), tolerance) << "input";
+  const auto flat = [](const auto& t) {
+    using T = typename std::decay_t<decltype(t)>::Scalar;
+    return std::vector<T>(t.data(), t.data() + t.size());
+  };
+  const auto flat_expected = [&](const std::string& name) {
+    const sdpa_test::Array& a = f.get(tag + ".grad." + name);
+    Eigen::Tensor<double, 1, Eigen::RowMajor> t(static_cast<Eigen::Index>(a.f64.size()));
+    std::copy(a.f64.begin(), a.f64.end(), t.data());
+    return t;
+  };
+  if (m.layout == HfLayout::kQwen3Next) {
+    std::vector<Scalar> q_proj;
+    const Eigen::Index dh = att.d_k(), d = att.d_model();
+    for (Eigen::Index head = 0; head < att.h(); ++head)
+      for (const auto* w : {&g.fc_q.weight, &g.fc_g.weight})
+        q_proj.insert(q_proj.end(), w->data() + head * dh * d, w->data() + (head + 1) * dh * d);
+    EXPECT_LT(relative_error<Scalar>(q_proj, flat_expected("q_proj.weight")), tolerance) << "q_proj";
+  } else {
+    EXPECT_LT(relative_error<Scalar>(flat(g.fc_q.weight), flat_expected("q_proj.weight")), tolerance) << "q_proj";
+  }
+  EXPECT_LT(relative_error<Scalar>(flat(g.fc_k.weight), flat_expected("k_proj.weight")), tolerance) << "k_proj";
+  EXPECT_LT(relative_error<Scalar>(flat(g.fc_v.weight), flat_expected("v_proj.weight")), tolerance) << "v_proj";
+  EXPECT_LT(relative_error<Scalar>(flat(g.fc_o.weight), flat_expected("o_proj.weight")), tolerance) << "o_proj";
+  if (f.has(tag + ".grad.q_norm.weight")) {
+    EXPECT_LT(relative_error<Scalar>(g.q_norm, flat_expected("q_norm.weight")), tolerance) << "q_norm";
+    EXPECT_LT(relative_error<Scalar>(g.k_norm, flat_expected("k_norm.weight")), tolerance) << "k_norm";
+  }
+}
+
+template <typename Scalar>
 void check_model(const Model& m, double tolerance) {
   const std::string dir = model_dir(m.name);
   const Fixture f = Fixture::load(dir + "/fixture.sdpafix");
   const sdpa::HfAttentionConfig config = sdpa::read_hf_config(dir + "/config.json", m.layout);
   const std::vector<std::string> layers = prefixes(m.name);
-  ASSERT_EQ(layers.size(), 2u);
+  ASSERT_EQ(layers.size(), m.layout == HfLayout::kQwen3Next ? 1u : 2u);  // Qwen3-Next: its full-attention layer
   for (std::size_t layer = 0; layer < layers.size(); ++layer) {
     SCOPED_TRACE(std::string(m.name) + " " + layers[layer]);
     ScaledDotProductAttention<Scalar> att = sdpa::make_hf_attention<Scalar>(config);
@@ -97,6 +152,7 @@ void check_model(const Model& m, double tolerance) {
     }
     const auto expected = sdpa_test::to_tensor<double, 3>(f, tag + ".prefill.output");
     EXPECT_LT(relative_error<Scalar>(att(x, x, x, o), expected), tolerance) << "prefill";
+    if (f.has(tag + ".grad.input")) check_gradients<Scalar>(m, f, tag, att, x, o, 20 * tolerance);
     if (!f.has(tag + ".step0.input")) continue;
     // Decoding: the prompt through one step, then one token per step.
     const Eigen::Index steps = f.integer("steps");

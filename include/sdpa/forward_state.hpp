@@ -50,7 +50,9 @@ class ForwardState {
   detail::Buffer<Scalar> qkv_, kv_;         // the projections, as forward laid them out
   const Scalar *q_ = nullptr, *k_ = nullptr, *v_ = nullptr;
   Index ldq_ = 0, ldk_ = 0, ldv_ = 0;
-  detail::Buffer<Scalar> att_;              // (batch * nq, h * d_v): the attention output before fc_o
+  detail::Buffer<Scalar> att_;              // (batch * nq, h * d_v): the attention output before fc_o (and the gate)
+  detail::Buffer<Scalar> pre_q_, pre_k_;    // with a QK-norm: the projected q (h * d_k) and k rows before it
+  detail::Buffer<Scalar> gate_, gated_;     // with an output gate: sigmoid(fc_g(queries)), and att_ times it
   std::vector<Scalar> lse_;                 // (batch, h, nq)
   AttentionOptions<Scalar> options_;        // without probabilities and device
   bool dropout_ = false;

@@ -24,6 +24,8 @@ template <typename Scalar>
 struct Gradients {
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> queries, keys, values;  // d loss / d each input, its shape
   LinearGradients<Scalar> fc_q, fc_k, fc_v, fc_o;
+  LinearGradients<Scalar> fc_g;        // the output gate's projection; empty without a gate
+  std::vector<Scalar> q_norm, k_norm;  // the QK-norm's weights; empty without them
   // The given tensors' shapes (broadcast dimensions summed); empty when not given.
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor> attention_weights, attention_bias;
   std::vector<Scalar> sinks;  // one per query head when the call had sinks, else empty
@@ -40,6 +42,12 @@ struct Gradients {
       out.push_back({std::string(names[i]) + ".weight", g.weight.data(), {g.weight.dimension(0), g.weight.dimension(1)}});
       out.push_back({std::string(names[i]) + ".bias", g.bias.data(), {g.bias.dimension(0)}});
     }
+    if (fc_g.weight.size() > 0) {
+      out.push_back({"fc_g.weight", fc_g.weight.data(), {fc_g.weight.dimension(0), fc_g.weight.dimension(1)}});
+      out.push_back({"fc_g.bias", fc_g.bias.data(), {fc_g.bias.dimension(0)}});
+    }
+    if (!q_norm.empty()) out.push_back({"q_norm.weight", q_norm.data(), {static_cast<Eigen::Index>(q_norm.size())}});
+    if (!k_norm.empty()) out.push_back({"k_norm.weight", k_norm.data(), {static_cast<Eigen::Index>(k_norm.size())}});
     return out;
   }
 };

@@ -23,6 +23,7 @@
 #include "sdpa/detail/scratch_pool.hpp"
 #include "sdpa/forward_state.hpp"
 #include "sdpa/gradients.hpp"
+#include "sdpa/head_norm.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/backward.hpp"
@@ -94,8 +95,10 @@ class ScaledDotProductAttention {
   ScaledDotProductAttention(const ScaledDotProductAttention& other)
       : d_model_(other.d_model_), d_k_(other.d_k_), d_v_(other.d_v_), h_(other.h_), kv_heads_(other.kv_heads_),
         dropout_(other.dropout_), training_(other.training_), masked_rows_(other.masked_rows_), kernel_(other.kernel_),
-        compute_(other.compute_), rotary_(other.rotary_), has_rotary_(other.has_rotary_), seed_(next_seed()), calls_(0),
-        id_(detail::next_module_id()), fc_q_(other.fc_q_), fc_k_(other.fc_k_), fc_v_(other.fc_v_), fc_o_(other.fc_o_) {}
+        compute_(other.compute_), rotary_(other.rotary_), has_rotary_(other.has_rotary_), qk_norm_(other.qk_norm_),
+        temperature_(other.temperature_), has_temperature_(other.has_temperature_), gated_(other.gated_),
+        seed_(next_seed()), calls_(0), id_(detail::next_module_id()), fc_q_(other.fc_q_), fc_k_(other.fc_k_),
+        fc_v_(other.fc_v_), fc_o_(other.fc_o_), fc_g_(other.fc_g_) {}
   ScaledDotProductAttention& operator=(const ScaledDotProductAttention& other) {
     if (this != &other) {
       ScaledDotProductAttention copy(other);
@@ -107,7 +110,7 @@ class ScaledDotProductAttention {
   // nothing from the process-wide sequence.
   ScaledDotProductAttention(ScaledDotProductAttention&& other) noexcept
       : d_model_(1), d_k_(1), d_v_(1), h_(1), kv_heads_(1), dropout_(0), seed_(0), id_(0),
-        fc_q_(1, 1), fc_k_(1, 1), fc_v_(1, 1), fc_o_(1, 1) {
+        fc_q_(1, 1), fc_k_(1, 1), fc_v_(1, 1), fc_o_(1, 1), fc_g_(1, 1) {
     swap(other);
   }
   ScaledDotProductAttention& operator=(ScaledDotProductAttention&& other) noexcept {
@@ -121,8 +124,8 @@ class ScaledDotProductAttention {
 
   template <typename Policy>
   void init_weights(const Policy& policy) {
-    LinearType* layers[4] = {&fc_q_, &fc_k_, &fc_v_, &fc_o_};
-    for (int i = 0; i < 4; ++i) {
+    LinearType* layers[5] = {&fc_q_, &fc_k_, &fc_v_, &fc_o_, &fc_g_};
+    for (int i = 0; i < (gated_ ? 5 : 4); ++i) {
       Philox gen(seed_, static_cast<std::uint64_t>(i));
       init_layer(*layers[i], policy, gen);
     }
@@ -131,6 +134,7 @@ class ScaledDotProductAttention {
   template <typename Policy, typename Gen>
   void init_weights(const Policy& policy, Gen& gen) {
     for (LinearType* layer : {&fc_q_, &fc_k_, &fc_v_, &fc_o_}) init_layer(*layer, policy, gen);
+    if (gated_) init_layer(fc_g_, policy, gen);
   }
 
   // ---- Weight storage ----
@@ -141,7 +145,7 @@ class ScaledDotProductAttention {
   // the rounded weights computes; training (forward with a state, backward, named_parameters, optimizers)
   // needs Scalar weights and refuses narrow ones with std::invalid_argument.
   void set_weight_storage(Storage storage) {
-    for (LinearType* layer : {&fc_q_, &fc_k_, &fc_v_, &fc_o_}) layer->set_weight_storage(storage);
+    for (LinearType* layer : {&fc_q_, &fc_k_, &fc_v_, &fc_o_, &fc_g_}) layer->set_weight_storage(storage);
   }
   Storage weight_storage() const noexcept { return fc_q_.weight_storage(); }
 
@@ -351,6 +355,45 @@ class ScaledDotProductAttention {
   void clear_rotary() noexcept { has_rotary_ = false; }
   const Rotary* rotary() const noexcept { return has_rotary_ ? &rotary_ : nullptr; }
 
+  // QK-norm (sdpa/head_norm.hpp): the projected queries and keys RMS-normalised per head or over the whole
+  // projection, before the rotary or (Llama 4) after it. Its weights are parameters ("q_norm.weight",
+  // "k_norm.weight": trained by backward, saved and loaded). A cache filled before set_qk_norm holds keys
+  // normalised the old way. Refused (std::invalid_argument) when the weights do not fit the heads.
+  void set_qk_norm(QkNorm<Scalar> norm) {
+    detail::check_qk_norm("ScaledDotProductAttention::set_qk_norm", norm, h_, kv_heads_, d_k_);
+    qk_norm_ = std::move(norm);
+  }
+  void clear_qk_norm() noexcept { qk_norm_ = QkNorm<Scalar>(); }
+  const QkNorm<Scalar>* qk_norm() const noexcept { return qk_norm_.kind == QkNormKind::kNone ? nullptr : &qk_norm_; }
+
+  // Llama 4's attention temperature tuning: each query multiplied by temperature.factor(its absolute
+  // position) after the rotary and the norm.
+  void set_query_temperature(const QueryTemperature& temperature) {
+    detail::check_temperature("ScaledDotProductAttention::set_query_temperature", temperature);
+    temperature_ = temperature;
+    has_temperature_ = true;
+  }
+  void clear_query_temperature() noexcept { has_temperature_ = false; }
+  const QueryTemperature* query_temperature() const noexcept { return has_temperature_ ? &temperature_ : nullptr; }
+
+  // A gated output (Qwen3-Next): a fifth projection fc_g (d_model -> h * d_v, from the queries' input) whose
+  // sigmoid multiplies the attention output, element by element, before fc_o. Turning it on makes fc_g
+  // (drawn as the module's init draws layer 4, in the module's weight storage); off drops it.
+  void set_output_gate(bool on) {
+    if (on == gated_) return;
+    gated_ = on;
+    if (!on) {
+      fc_g_ = LinearType(1, 1);
+      return;
+    }
+    LinearType g(d_model_, h_ * d_v_);
+    Philox gen(seed_, 4);
+    init_layer(g, init::ExternalAttentionPolicy{}, gen);
+    g.set_weight_storage(fc_q_.weight_storage());
+    fc_g_ = std::move(g);
+  }
+  bool output_gate() const noexcept { return gated_; }
+
   Scalar dropout() const noexcept { return dropout_; }
   void set_dropout(Scalar p) { dropout_ = checked_dropout(p); }
 
@@ -375,6 +418,9 @@ class ScaledDotProductAttention {
   const LinearType& fc_k() const noexcept { return fc_k_; }
   const LinearType& fc_v() const noexcept { return fc_v_; }
   const LinearType& fc_o() const noexcept { return fc_o_; }
+  // The output gate's projection (set_output_gate); a 1 x 1 placeholder when there is no gate.
+  LinearType& fc_g() noexcept { return fc_g_; }
+  const LinearType& fc_g() const noexcept { return fc_g_; }
 
   // The parameters in state_dict order, by their PyTorch names.
   // Scalar weights only: a module whose weights are stored narrower refuses (std::invalid_argument).
@@ -399,6 +445,10 @@ class ScaledDotProductAttention {
     swap(kv_heads_, other.kv_heads_);
     swap(rotary_, other.rotary_);
     swap(has_rotary_, other.has_rotary_);
+    swap(qk_norm_, other.qk_norm_);
+    swap(temperature_, other.temperature_);
+    swap(has_temperature_, other.has_temperature_);
+    swap(gated_, other.gated_);
     swap(dropout_, other.dropout_);
     swap(training_, other.training_);
     swap(masked_rows_, other.masked_rows_);
@@ -413,6 +463,7 @@ class ScaledDotProductAttention {
     swap(fc_k_, other.fc_k_);
     swap(fc_v_, other.fc_v_);
     swap(fc_o_, other.fc_o_);
+    swap(fc_g_, other.fc_g_);
     scratch_.swap(other.scratch_);
   }
 
@@ -473,6 +524,15 @@ class ScaledDotProductAttention {
                      {layer.weight().dimension(0), layer.weight().dimension(1)}});
       out.push_back({std::string(names[i]) + ".bias", layer.bias().data(), {layer.bias().dimension(0)}});
     }
+    // The options' parameters, when the module has them: the gate's projection, the QK-norm's weights.
+    if (self.gated_) {
+      out.push_back({"fc_g.weight", self.fc_g_.weight().data(), {self.fc_g_.weight().dimension(0), self.fc_g_.weight().dimension(1)}});
+      out.push_back({"fc_g.bias", self.fc_g_.bias().data(), {self.fc_g_.bias().dimension(0)}});
+    }
+    if (self.qk_norm_.kind != QkNormKind::kNone && !self.qk_norm_.q_weight.empty())
+      out.push_back({"q_norm.weight", self.qk_norm_.q_weight.data(), {static_cast<Index>(self.qk_norm_.q_weight.size())}});
+    if (self.qk_norm_.kind != QkNormKind::kNone && !self.qk_norm_.k_weight.empty())
+      out.push_back({"k_norm.weight", self.qk_norm_.k_weight.data(), {static_cast<Index>(self.qk_norm_.k_weight.size())}});
     return out;
   }
 
@@ -654,6 +714,115 @@ class ScaledDotProductAttention {
                         &options.cu_seqlens_k, static_cast<const std::vector<Index>*>(nullptr), inverse);
   }
 
+  // QK-norm of query (or key) rows: n rows per batch entry (batch_stride apart, row stride ld).
+  void norm_rows(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, bool query) const {
+    const bool per_head = qk_norm_.kind == QkNormKind::kHead;
+    const Index heads = query ? h_ : kv_heads_;
+    const std::vector<Scalar>& w = query ? qk_norm_.q_weight : qk_norm_.k_weight;
+    for (Index b = 0; b < batch; ++b)
+      detail::rms_norm_rows(x + b * batch_stride, n, ld, per_head ? heads : 1, per_head ? d_k_ : heads * d_k_,
+                            w.empty() ? nullptr : w.data(), qk_norm_.eps);
+  }
+  bool has_qk_norm() const noexcept { return qk_norm_.kind != QkNormKind::kNone; }
+
+  // Everything between the projection and the scores for query (or key) rows laid out as rotate's, the
+  // first at position `first`: norm, rotary, norm after it, temperature (head_norm.hpp's order).
+  void transform(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, bool query, Index first) const {
+    if (x == nullptr) return;
+    if (has_qk_norm() && !qk_norm_.after_rotary) norm_rows(x, batch, batch_stride, n, ld, query);
+    rotate(x, batch, batch_stride, n, ld, query ? h_ : kv_heads_, first);
+    if (has_qk_norm() && qk_norm_.after_rotary) norm_rows(x, batch, batch_stride, n, ld, query);
+    if (query && has_temperature_)
+      for (Index b = 0; b < batch; ++b) detail::temper_rows(temperature_, x + b * batch_stride, n, ld, h_ * d_k_, first);
+  }
+
+  // The temperature of a forward's queries (row stride ldq), at q' = q + nk - nq of each batch entry or
+  // packed sequence.
+  void temper_queries(Scalar* q, Index ldq, Index batch, Index nq, Index nk, const AttentionOptions<Scalar>& options) const {
+    if (!has_temperature_) return;
+    if (!options.packed()) {
+      for (Index b = 0; b < batch; ++b) detail::temper_rows(temperature_, q + b * nq * ldq, nq, ldq, h_ * d_k_, nk - nq);
+      return;
+    }
+    const std::vector<Index>&cq = options.cu_seqlens_q, &ck = options.cu_seqlens_k;
+    for (std::size_t i = 0; i + 1 < cq.size(); ++i) {
+      const Index n = cq[i + 1] - cq[i];
+      detail::temper_rows(temperature_, q + cq[i] * ldq, n, ldq, h_ * d_k_, ck[i + 1] - ck[i] - n);
+    }
+  }
+
+  // transform for a forward's projected queries and keys (rotate_projected's layout and positions).
+  void transform_projected(Scalar* q, Index ldq, Scalar* k, Index ldk, Index batch, Index nq, Index nk,
+                           const AttentionOptions<Scalar>& options) const {
+    if (has_qk_norm() && !qk_norm_.after_rotary) {
+      norm_rows(q, 1, 0, batch * nq, ldq, true);
+      norm_rows(k, 1, 0, batch * nk, ldk, false);
+    }
+    rotate_projected(q, ldq, k, ldk, batch, nq, nk, options);
+    if (has_qk_norm() && qk_norm_.after_rotary) {
+      norm_rows(q, 1, 0, batch * nq, ldq, true);
+      norm_rows(k, 1, 0, batch * nk, ldk, false);
+    }
+    temper_queries(q, ldq, batch, nq, nk, options);
+  }
+
+  // The gradients of transformed queries and keys (dq: rows of h * d_k, dk: rows of kv_heads * d_k) become
+  // those of the projections' outputs; the QK-norm's weight gradients go to g.
+  void transform_backward(Scalar* dq, Scalar* dk, const ForwardState<Scalar>& s, const AttentionOptions<Scalar>& options,
+                          Gradients<Scalar>& g) const {
+    const Index batch = s.batch_, nq = s.nq_, nk = s.nk_, hq = h_ * d_k_, kk = kv_heads_ * d_k_;
+    temper_queries(dq, hq, batch, nq, nk, options);  // a diagonal scale: its own transpose
+    if (!has_qk_norm()) {
+      rotate_projected(dq, hq, dk, kk, batch, nq, nk, options, /*inverse=*/true);
+      return;
+    }
+    const bool per_head = qk_norm_.kind == QkNormKind::kHead;
+    std::vector<double> dwq(qk_norm_.q_weight.size(), 0.0), dwk(qk_norm_.k_weight.size(), 0.0);
+    const auto norm_backward = [&](const Scalar* x, Scalar* d, Index rows, bool query) {
+      const Index heads = query ? h_ : kv_heads_, ld = heads * d_k_;
+      const std::vector<Scalar>& w = query ? qk_norm_.q_weight : qk_norm_.k_weight;
+      std::vector<double>& dw = query ? dwq : dwk;
+      detail::rms_norm_backward_rows(x, d, rows, ld, ld, per_head ? heads : 1, per_head ? d_k_ : ld,
+                                     w.empty() ? nullptr : w.data(), qk_norm_.eps, dw.empty() ? nullptr : dw.data());
+    };
+    if (qk_norm_.after_rotary) {
+      // The norm's input is the rotated projection.
+      detail::Buffer<Scalar> rq(static_cast<std::size_t>(batch * nq * hq)), rk(static_cast<std::size_t>(batch * nk * kk));
+      std::copy_n(s.pre_q_.data(), rq.size(), rq.data());
+      std::copy_n(s.pre_k_.data(), rk.size(), rk.data());
+      rotate_projected(rq.data(), hq, rk.data(), kk, batch, nq, nk, options);
+      norm_backward(rq.data(), dq, batch * nq, true);
+      norm_backward(rk.data(), dk, batch * nk, false);
+      rotate_projected(dq, hq, dk, kk, batch, nq, nk, options, /*inverse=*/true);
+    } else {
+      rotate_projected(dq, hq, dk, kk, batch, nq, nk, options, /*inverse=*/true);
+      norm_backward(s.pre_q_.data(), dq, batch * nq, true);
+      norm_backward(s.pre_k_.data(), dk, batch * nk, false);
+    }
+    g.q_norm.assign(dwq.begin(), dwq.end());
+    g.k_norm.assign(dwk.begin(), dwk.end());
+  }
+
+  // The output gate: projects the queries' input rows x (rows of d_model) by fc_g into gate (rows of h * d_v)
+  // and takes its sigmoid there.
+  void gate_values(const Scalar* x, Index rows, Scalar* gate, const Eigen::ThreadPoolDevice* device) const {
+    const Index ha = h_ * d_v_;
+    if (rows <= 16) {
+      const kernels::ProjectionTarget<Scalar> t = fc_g_.target(gate, ha);
+      kernels::project_few_rows<Scalar>(x, rows, d_model_, d_model_, &t, 1, device);
+    } else {
+      project_pass(x, rows, {fc_g_.target(gate, ha)}, device);
+    }
+    for (Index i = 0; i < rows * ha; ++i) gate[i] = Scalar(1) / (Scalar(1) + std::exp(-gate[i]));
+  }
+
+  // att (rows of h * d_v) times the output gate of x's rows, in place, before fc_o.
+  void apply_gate(const Scalar* x, Index rows, Scalar* att, Scalar* gate, const Eigen::ThreadPoolDevice* device) const {
+    if (!gated_) return;
+    gate_values(x, rows, gate, device);
+    for (Index i = 0; i < rows * h_ * d_v_; ++i) att[i] *= gate[i];
+  }
+
   // The shape of a call with nq queries against nk keys, for the core's checks (where: the function called).
   detail::CallShape call_shape(const char* where, Index batch, Index nq, Index nk) const noexcept {
     detail::CallShape c;
@@ -695,7 +864,15 @@ class ScaledDotProductAttention {
     const Index hv = h_ * d_v_;
     Projected proj = project(qv, kv, vv, device, options.key_lengths.empty() ? nullptr : options.key_lengths.data());
     // Queries at q' = q + nk - nq, keys at k (packed sequences: each from its own positions).
-    rotate_projected(proj.q, proj.ldq, proj.k, proj.ldk, batch, nq, nk, options);
+    if (capture != nullptr && has_qk_norm()) {
+      // What the norm's gradient needs: the projections before it.
+      const Index hq = h_ * d_k_, kk = kv_heads_ * d_k_;
+      capture->pre_q_ = detail::Buffer<Scalar>(static_cast<std::size_t>(batch * nq * hq));
+      capture->pre_k_ = detail::Buffer<Scalar>(static_cast<std::size_t>(batch * nk * kk));
+      for (Index r = 0; r < batch * nq; ++r) std::copy_n(proj.q + r * proj.ldq, hq, capture->pre_q_.data() + r * hq);
+      for (Index r = 0; r < batch * nk; ++r) std::copy_n(proj.k + r * proj.ldk, kk, capture->pre_k_.data() + r * kk);
+    }
+    transform_projected(proj.q, proj.ldq, proj.k, proj.ldk, batch, nq, nk, options);
 
     detail::Buffer<Scalar> att = scratch_.take(static_cast<std::size_t>(batch * nq * hv));
     kernels::AttentionProblem<Scalar> p = detail::problem_of(shape, options, masked_rows_, options.causal, nk - nq);
@@ -717,13 +894,27 @@ class ScaledDotProductAttention {
     else
       detail::run_attention(p, kernel_, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), device);
 
+    // The output gate: fc_o reads att times it (kept apart from att when backward needs both).
+    detail::Buffer<Scalar> gate, gated;
+    const Scalar* to_fc_o = att.data();
+    if (gated_) {
+      gate = scratch_.take(static_cast<std::size_t>(batch * nq * hv));
+      gate_values(qv.data(), batch * nq, gate.data(), device);
+      Scalar* dst = att.data();
+      if (capture != nullptr) {
+        gated = scratch_.take(static_cast<std::size_t>(batch * nq * hv));
+        dst = gated.data();
+      }
+      for (Index i = 0; i < batch * nq * hv; ++i) dst[i] = att.data()[i] * gate.data()[i];
+      to_fc_o = dst;
+    }
     if (compute_ == Compute::kBf16) {
       if constexpr (std::is_same<Scalar, float>::value) {
         const kernels::ProjectionTarget<Scalar> out = fc_o_.target(result.data(), d_model_);
-        kernels::project_rows_bf16(att.data(), batch * nq, hv, hv, &out, 1, device, active_bf16_path());
+        kernels::project_rows_bf16(to_fc_o, batch * nq, hv, hv, &out, 1, device, active_bf16_path());
       }
     } else {
-      fc_o_.forward_rows(att.data(), batch * nq, hv, result.data(), d_model_, device);
+      fc_o_.forward_rows(to_fc_o, batch * nq, hv, result.data(), d_model_, device);
     }
     if (capture != nullptr) {
       capture->qkv_ = std::move(proj.qkv);
@@ -735,10 +926,13 @@ class ScaledDotProductAttention {
       capture->ldk_ = proj.ldk;
       capture->ldv_ = proj.ldv;
       capture->att_ = std::move(att);
+      capture->gate_ = std::move(gate);
+      capture->gated_ = std::move(gated);
     } else {
       scratch_.give(std::move(proj.qkv));
       scratch_.give(std::move(proj.kv_only));
       scratch_.give(std::move(att));
+      if (gated_) scratch_.give(std::move(gate));
     }
     return result;
   }
@@ -848,6 +1042,11 @@ class ScaledDotProductAttention {
       zero_linear(fc_k_, g.fc_k);
       zero_linear(fc_v_, g.fc_v);
       zero_linear(fc_o_, g.fc_o);
+      if (gated_) zero_linear(fc_g_, g.fc_g);
+      if (has_qk_norm()) {
+        g.q_norm.assign(qk_norm_.q_weight.size(), Scalar(0));
+        g.k_norm.assign(qk_norm_.k_weight.size(), Scalar(0));
+      }
       if (rows_q > 0) {
         // nk == 0: the attention output is zero, so fc_o's output is its bias.
         for (Index o = 0; o < d_model_; ++o) {
@@ -861,7 +1060,18 @@ class ScaledDotProductAttention {
 
     // fc_o: d att = dY W_o; dW_o = dY^T att; db_o.
     detail::Buffer<Scalar> d_att(static_cast<std::size_t>(rows_q * hv));
-    linear_backward(fc_o_, grad_output.data(), d_model_, s.att_.data(), rows_q, g.fc_o, d_att.data(), device);
+    linear_backward(fc_o_, grad_output.data(), d_model_, gated_ ? s.gated_.data() : s.att_.data(), rows_q, g.fc_o,
+                    d_att.data(), device);
+    // The gate: d att = d gated * sigmoid; d (fc_g's output) = d gated * att * sigmoid * (1 - sigmoid).
+    detail::Buffer<Scalar> d_gate;
+    if (gated_) {
+      d_gate = detail::Buffer<Scalar>(static_cast<std::size_t>(rows_q * hv));
+      for (Index i = 0; i < rows_q * hv; ++i) {
+        const Scalar sg = s.gate_.data()[i];
+        d_gate.data()[i] = d_att.data()[i] * s.att_.data()[i] * sg * (Scalar(1) - sg);
+        d_att.data()[i] *= sg;
+      }
+    }
 
     // The attention core.
     kernels::AttentionProblem<Scalar> p = detail::problem_of(shape, options, masked_rows_, options.causal, nk - nq);
@@ -896,8 +1106,9 @@ class ScaledDotProductAttention {
         options.packed() ? detail::run_packed_backward(bp, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device, tables.size())
                          : detail::run_attention_backward(bp, kernel_, device);
     g.tables = tables.finish(status, where);
-    // The gradients of the rotated queries and keys, rotated back: those of the projections' outputs.
-    rotate_projected(dq.data(), hq, dk.data(), kk, batch, nq, nk, options, /*inverse=*/true);
+    // The gradients of the transformed (rotated, normalised) queries and keys, taken back through the
+    // transforms: those of the projections' outputs.
+    transform_backward(dq.data(), dk.data(), s, options, g);
 
     d_att = detail::Buffer<Scalar>();  // scratch is released as soon as it is used up: peak memory
     g.queries = Tensor3(batch, nq, d_model_);
@@ -907,6 +1118,11 @@ class ScaledDotProductAttention {
     // The projections.
     linear_backward(fc_q_, dq.data(), hq, xq.data(), rows_q, g.fc_q, g.queries.data(), device);
     dq = detail::Buffer<Scalar>();
+    if (gated_) {
+      Tensor3 dx(batch, nq, d_model_);
+      linear_backward(fc_g_, d_gate.data(), hv, xq.data(), rows_q, g.fc_g, dx.data(), device);
+      g.queries += dx;
+    }
     linear_backward(fc_k_, dk.data(), kk, xk.data(), rows_k, g.fc_k, g.keys.data(), device);
     dk = detail::Buffer<Scalar>();
     linear_backward(fc_v_, dv.data(), kv, xv.data(), rows_k, g.fc_v, g.values.data(), device);
@@ -1010,8 +1226,8 @@ class ScaledDotProductAttention {
                                         {target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0)}, device);
       }
     }
-    rotate(cache.key_rows(0) + at * hk, batch, cache.capacity_ * hk, n, hk, kv_heads_, cache.position_);
-    rotate(q_out, batch, n * hq, n, hq, h_, cache.position_);
+    transform(cache.key_rows(0) + at * hk, batch, cache.capacity_ * hk, n, hk, false, cache.position_);
+    transform(q_out, batch, n * hq, n, hq, true, cache.position_);
     cache.size_ += n;
     cache.position_ += n;
   }
@@ -1040,8 +1256,8 @@ class ScaledDotProductAttention {
         const Target tv = target(fc_v_, sv, hv);
         kernels::project_few_rows<Scalar>(vv.data(), batch * n, d_model_, d_model_, &tv, 1, device);
       }
-      rotate(sk, batch, n * hk, n, hk, kv_heads_, cache.position_);
-      rotate(q_out, batch, n * hq, n, hq, h_, cache.position_);
+      transform(sk, batch, n * hk, n, hk, false, cache.position_);
+      transform(q_out, batch, n * hq, n, hq, true, cache.position_);
       for (Index b = 0; b < batch; ++b) {
         cache.put_rows(false, b, at, sk + b * n * hk, hk, n);
         cache.put_rows(true, b, at, sv + b * n * hv, hv, n);
@@ -1060,19 +1276,19 @@ class ScaledDotProductAttention {
         if (kv_same) targets.push_back(target(fc_v_, sv, hv));
         kernels::project_rows<Scalar>(kv.data() + (b * n + r0) * d_model_, m, d_model_, targets, device);
         if (!kv_same) kernels::project_rows<Scalar>(vv.data() + (b * n + r0) * d_model_, m, d_model_, {target(fc_v_, sv, hv)}, device);
-        rotate(sk, 1, 0, m, hk, kv_heads_, cache.position_ + r0);
+        transform(sk, 1, 0, m, hk, false, cache.position_ + r0);
         cache.put_rows(false, b, at + r0, sk, hk, m);
         cache.put_rows(true, b, at + r0, sv, hv, m);
       }
     }
-    rotate(q_out, batch, n * hq, n, hq, h_, cache.position_);
+    transform(q_out, batch, n * hq, n, hq, true, cache.position_);
   }
 
   // The attention of projected (and rotated) queries q (batch, nq, h * d_k) to the cache's entries, then
   // fc_o into out.
   void attend_projected(const Scalar* q, Index nq, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options,
                         bool causal, Scalar* att, kernels::DecodeWorkspace<Scalar>& workspace, Scalar* out,
-                        const char* where) const {
+                        const char* where, const Scalar* x) const {
     const Index batch = cache.batch(), nk = cache.size(), hq = h_ * d_k_, hv = h_ * d_v_;
     const Index hk = kv_heads_ * d_k_, kv = kv_heads_ * d_v_;
     kernels::AttentionProblem<Scalar> p =
@@ -1096,6 +1312,7 @@ class ScaledDotProductAttention {
     p.out = {att, nq * hv, hv, d_v_};
     draw_dropout(p);
     detail::run_attention(p, kernel_, &workspace, options.device);
+    apply_gate(x, batch * nq, att, att + batch * nq * hv, options.device);
     if (batch * nq <= 16) {
       const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
       kernels::project_few_rows<Scalar>(att, batch * nq, hv, hv, &to, 1, options.device);
@@ -1128,10 +1345,10 @@ class ScaledDotProductAttention {
     kernels::project_rows<Scalar>(q.data(), batch * nq, d_model_,
                                   {fc_q_.target(qbuf.data(), hq)}, options.device);
     // The queries are the last nq positions.
-    rotate(qbuf.data(), batch, nq * hq, nq, hq, h_, cache.position() - nq);
-    detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * h_ * d_v_));
+    transform(qbuf.data(), batch, nq * hq, nq, hq, true, cache.position() - nq);
+    detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * h_ * d_v_ * (gated_ ? 2 : 1)));
     kernels::DecodeWorkspace<Scalar> workspace;
-    attend_projected(qbuf.data(), nq, cache, options, options.causal, att.data(), workspace, out, where);
+    attend_projected(qbuf.data(), nq, cache, options, options.causal, att.data(), workspace, out, where, q.data());
   }
 
   void step_impl(const View& x, KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Scalar* out,
@@ -1147,9 +1364,9 @@ class ScaledDotProductAttention {
     if (n == 0 || batch == 0) return;
     cache.make_room(n);
     Scalar* q = cache.scratch(cache.q_scratch_, batch * n * h_ * d_k_);
-    Scalar* att = cache.scratch(cache.att_scratch_, batch * n * h_ * d_v_);
+    Scalar* att = cache.scratch(cache.att_scratch_, batch * n * h_ * d_v_ * (gated_ ? 2 : 1));  // and the gate's
     project_into_cache(x, x, cache, options.device, q);
-    attend_projected(q, n, cache, options, /*causal=*/true, att, cache.decode_, out, where);
+    attend_projected(q, n, cache, options, /*causal=*/true, att, cache.decode_, out, where, x.data());
     // A sliding window: no later query sees the entries before position() - window_left. Once they are
     // half of what is held they are dropped (a rolling buffer: memory stays O(window + chunk), and each
     // entry is moved O(1) times on average).
@@ -1218,8 +1435,8 @@ class ScaledDotProductAttention {
         bases(static_cast<std::size_t>(n_seq));
     for (Index i = 0; i < n_seq; ++i) {
       typename PagedKVCache<Scalar>::Sequence& s = cache.find(where, ids[static_cast<std::size_t>(i)]);
-      rotate(sk + i * t * hk, 1, 0, t, hk, kv_heads_, s.position);
-      rotate(q + i * t * hq, 1, 0, t, hq, h_, s.position);
+      transform(sk + i * t * hk, 1, 0, t, hk, false, s.position);
+      transform(q + i * t * hq, 1, 0, t, hq, true, s.position);
       cache.put_rows(s, false, s.size, sk + i * t * hk, hk, t);
       cache.put_rows(s, true, s.size, sv + i * t * hv, hv, t);
       s.size += t;
@@ -1253,10 +1470,11 @@ class ScaledDotProductAttention {
       p.k = {reinterpret_cast<const Scalar*>(cache.keys_.data()), 0, hk, d_k_};
       p.v = {reinterpret_cast<const Scalar*>(cache.values_.data()), 0, hv, d_v_};
     }
-    Scalar* att = cache.att_scratch_.reset_at_least(static_cast<std::size_t>(rows * ha));
+    Scalar* att = cache.att_scratch_.reset_at_least(static_cast<std::size_t>(rows * ha * (gated_ ? 2 : 1)));
     p.out = {att, t * ha, ha, d_v_};
     draw_dropout(p);
     detail::run_attention(p, kernel_, &cache.decode_, options.device);
+    apply_gate(x.data(), rows, att, att + rows * ha, options.device);
     if (t <= 16) {
       const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
       kernels::project_few_rows<Scalar>(att, rows, ha, ha, &to, 1, options.device);
@@ -1275,10 +1493,15 @@ class ScaledDotProductAttention {
   Compute compute_ = Compute::kFloat;
   Rotary rotary_;
   bool has_rotary_ = false;
+  QkNorm<Scalar> qk_norm_;
+  QueryTemperature temperature_;
+  bool has_temperature_ = false;
+  bool gated_ = false;
   std::uint64_t seed_;
   mutable std::atomic<std::uint64_t> calls_{0};
   std::uint64_t id_;  // which module a ForwardState came from (copies get their own, moves keep it)
   LinearType fc_q_, fc_k_, fc_v_, fc_o_;
+  LinearType fc_g_{1, 1};  // the output gate's projection when gated_
   mutable detail::ScratchPool<Scalar> scratch_;  // forward's buffers, kept between calls (scratch_pool.hpp)
 };
 

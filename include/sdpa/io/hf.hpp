@@ -39,6 +39,8 @@
 #include <vector>
 
 #include "sdpa/error.hpp"
+#include "sdpa/flex.hpp"
+#include "sdpa/head_norm.hpp"
 #include "sdpa/io/safetensors.hpp"
 #include "sdpa/options.hpp"
 #include "sdpa/rotary.hpp"
@@ -46,7 +48,7 @@
 
 SDPA_NAMESPACE_BEGIN
 
-enum class HfLayout { kBert, kGpt2, kLlama, kMistral, kQwen2, kGemma2, kGptOss };
+enum class HfLayout { kBert, kGpt2, kLlama, kMistral, kQwen2, kGemma2, kGptOss, kQwen3, kOlmo2, kGemma3, kQwen3Next, kLlama4 };
 
 inline const char* hf_layout_name(HfLayout l) noexcept {
   switch (l) {
@@ -56,7 +58,12 @@ inline const char* hf_layout_name(HfLayout l) noexcept {
     case HfLayout::kMistral: return "mistral";
     case HfLayout::kQwen2: return "qwen2";
     case HfLayout::kGemma2: return "gemma2";
-    default: return "gpt_oss";
+    case HfLayout::kGptOss: return "gpt_oss";
+    case HfLayout::kQwen3: return "qwen3";
+    case HfLayout::kOlmo2: return "olmo2";
+    case HfLayout::kGemma3: return "gemma3_text";
+    case HfLayout::kQwen3Next: return "qwen3_next";
+    default: return "llama4_text";
   }
 }
 
@@ -78,6 +85,20 @@ struct HfAttentionConfig {
   // the scale into a float32 product, which is what sdpa computes anyway.
   bool scale_attn_weights = true;
   bool scale_by_inverse_layer = false;
+  // QK-norm (sdpa/head_norm.hpp): per head (Qwen3, Gemma 3, Qwen3-Next) or over the projection (OLMo 2),
+  // its weights applied as 1 + w (Gemma 3, Qwen3-Next); Llama 4's is weightless, after the rotary, on its
+  // rotary layers only (use_qk_norm).
+  QkNormKind qk_norm = QkNormKind::kNone;
+  bool qk_norm_plus_one = false;
+  bool qk_norm_after_rotary = false;
+  double rms_norm_eps = 1e-6;
+  bool output_gate = false;          // Qwen3-Next: q_proj's rows are [query | gate] per head
+  bool has_local_rotary = false;     // Gemma 3: the sliding layers' rotary (rope_local_base_freq)
+  Rotary local_rotary;
+  std::vector<Eigen::Index> no_rope_layers;  // Llama 4: per layer, 0 marks a layer without rotary (NoPE)
+  Eigen::Index attention_chunk_size = -1;    // Llama 4's chunked layers: a key is seen within the query's chunk
+  bool temperature_tuning = false;           // Llama 4's NoPE layers (attn_temperature_tuning)
+  QueryTemperature temperature;
 };
 
 namespace detail {
@@ -172,9 +193,19 @@ inline Eigen::Index layer_of(const std::string& prefix) {
 
 // The rotary of a decoder's config: rope_parameters (transformers 5) or rope_theta + rope_scaling (4), the
 // rotated share of each head (partial_rotary_factor).
+inline Rotary rope_of(const nlohmann::json& j, const nlohmann::json& rope, const HfAttentionConfig& c);
+
 inline void read_rope(const nlohmann::json& j, HfAttentionConfig& c) {
   nlohmann::json rope = object(j, c.path, "rope_parameters");
   for (const auto& [k, v] : object(j, c.path, "rope_scaling").items()) rope[k] = v;
+  c.rotary = rope_of(j, rope, c);
+  c.has_rotary = true;
+}
+
+// The rotary of one rope parameter set (rope_type, rope_theta, its scaling; j: the config, for the keys a
+// parameter set may leave to it).
+inline Rotary rope_of(const nlohmann::json& j, const nlohmann::json& rope, const HfAttentionConfig& c) {
+  Rotary r;
   const double theta = number(rope, c.path, "rope_theta", number(j, c.path, "rope_theta", 10000.0));
   const double partial = number(rope, c.path, "partial_rotary_factor", number(j, c.path, "partial_rotary_factor", 1.0));
   const Eigen::Index dim = static_cast<Eigen::Index>(static_cast<double>(c.head_dim) * partial);
@@ -184,39 +215,82 @@ inline void read_rope(const nlohmann::json& j, HfAttentionConfig& c) {
   // yarn without a factor scales from the pretrained length to max_position_embeddings (transformers' rule).
   const double factor = number(rope, c.path, "factor",
                                type == "yarn" && original > 0 ? static_cast<double>(max_positions) / static_cast<double>(original) : 1.0);
+  if (dim <= 0 || dim % 2 != 0)
+    fail(c.path, "the rotated features (head_dim " + std::to_string(c.head_dim) + " times partial_rotary_factor) are " +
+                     std::to_string(dim) + ", not a positive even number");
   if (type == "default") {
-    c.rotary.dim = dim;
-    c.rotary.theta = theta;
-    c.rotary.inv_freq = c.rotary.frequencies(dim);
+    r.dim = dim;
+    r.theta = theta;
+    r.inv_freq = r.frequencies(dim);
   } else if (type == "linear") {
-    c.rotary = rope_linear(dim, theta, factor);
+    r = rope_linear(dim, theta, factor);
   } else if (type == "llama3") {
-    c.rotary = rope_llama3(dim, theta, factor, number(rope, c.path, "low_freq_factor", 1.0),
-                           number(rope, c.path, "high_freq_factor", 4.0), original);
+    r = rope_llama3(dim, theta, factor, number(rope, c.path, "low_freq_factor", 1.0),
+                    number(rope, c.path, "high_freq_factor", 4.0), original);
   } else if (type == "yarn") {
     const bool truncate = boolean(rope, c.path, "truncate", true);
-    c.rotary = rope_yarn(dim, theta, factor, original, number(rope, c.path, "beta_fast", 32.0),
-                         number(rope, c.path, "beta_slow", 1.0), truncate);
+    r = rope_yarn(dim, theta, factor, original, number(rope, c.path, "beta_fast", 32.0),
+                  number(rope, c.path, "beta_slow", 1.0), truncate);
     const double attention_factor = number(rope, c.path, "attention_factor", 0.0);
     const double mscale = number(rope, c.path, "mscale", 0.0), mscale_all_dim = number(rope, c.path, "mscale_all_dim", 0.0);
     const auto get_mscale = [](double s, double m) { return s <= 1 ? 1.0 : 0.1 * m * std::log(s) + 1.0; };
-    if (attention_factor > 0) c.rotary.attention_factor = attention_factor;
+    if (attention_factor > 0) r.attention_factor = attention_factor;
     else if (mscale > 0 && mscale_all_dim > 0)
-      c.rotary.attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim);
+      r.attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim);
   } else {
     fail(c.path, "rope_type \"" + type + "\" is not one sdpa implements (default, linear, llama3, yarn)");
   }
-  c.has_rotary = true;
+  return r;
+}
+
+// Gemma 3's two rotaries: transformers 5 keeps one rope parameter set per layer kind in rope_parameters
+// ("full_attention", "sliding_attention"); transformers 4 has rope_theta and rope_scaling for the full layers
+// and rope_local_base_freq for the sliding ones (whose rotary is never scaled).
+inline void read_gemma3_rope(const nlohmann::json& j, HfAttentionConfig& c) {
+  const nlohmann::json params = object(j, c.path, "rope_parameters");
+  if (params.contains("full_attention") || params.contains("sliding_attention")) {
+    c.rotary = rope_of(j, object(params, c.path, "full_attention"), c);
+    nlohmann::json local = object(params, c.path, "sliding_attention");
+    if (!local.contains("rope_theta")) local["rope_theta"] = number(j, c.path, "rope_local_base_freq", 10000.0);
+    c.local_rotary = rope_of(j, local, c);
+  } else {
+    read_rope(j, c);
+    nlohmann::json local = nlohmann::json::object();
+    local["rope_theta"] = number(j, c.path, "rope_local_base_freq", 10000.0);
+    c.local_rotary = rope_of(j, local, c);
+  }
+  c.has_rotary = c.has_local_rotary = true;
 }
 
 }  // namespace hf
 }  // namespace detail
 
+// The layout of a config's model_type (transformers' name; "gemma3" and "llama4", the multimodal models,
+// for their text_config). An unknown one throws SafetensorsError naming it.
+inline HfLayout hf_layout_of(const std::string& model_type, const std::string& path = "config.json") {
+  const std::pair<const char*, HfLayout> known[] = {
+      {"bert", HfLayout::kBert},           {"gpt2", HfLayout::kGpt2},           {"llama", HfLayout::kLlama},
+      {"mistral", HfLayout::kMistral},     {"qwen2", HfLayout::kQwen2},         {"gemma2", HfLayout::kGemma2},
+      {"gpt_oss", HfLayout::kGptOss},      {"qwen3", HfLayout::kQwen3},         {"olmo2", HfLayout::kOlmo2},
+      {"gemma3", HfLayout::kGemma3},       {"gemma3_text", HfLayout::kGemma3},  {"qwen3_next", HfLayout::kQwen3Next},
+      {"llama4", HfLayout::kLlama4},       {"llama4_text", HfLayout::kLlama4}};
+  for (const auto& [name, layout] : known)
+    if (model_type == name) return layout;
+  std::string names;
+  for (const auto& [name, layout] : known) names += (names.empty() ? "" : ", ") + std::string(name);
+  detail::hf::fail(path, "model_type \"" + model_type + "\" is not one sdpa loads (" + names + ")");
+}
+
 // Reads config.json for the layout's attention.
 inline HfAttentionConfig read_hf_config(const std::string& path, HfLayout layout) {
   namespace hf = detail::hf;
-  const nlohmann::json j = hf::read_json(path);
+  nlohmann::json j = hf::read_json(path);
   if (!j.is_object()) hf::fail(path, "config.json is not a JSON object");
+  // The multimodal models' text part (transformers 5 nests it; flat configs have none).
+  if ((layout == HfLayout::kGemma3 || layout == HfLayout::kLlama4) && j.contains("text_config") && !j["text_config"].is_null()) {
+    const nlohmann::json text = hf::object(j, path, "text_config");
+    j = text;
+  }
   HfAttentionConfig c;
   c.path = path;
   c.layout = layout;
@@ -239,21 +313,95 @@ inline HfAttentionConfig read_hf_config(const std::string& path, HfLayout layout
     hf::boolean(j, path, "reorder_and_upcast_attn", false);  // checked; the same float32 arithmetic either way
   }
   if (layout == HfLayout::kBert || layout == HfLayout::kGpt2) return c;
-  hf::read_rope(j, c);
+  if (layout == HfLayout::kGemma3) hf::read_gemma3_rope(j, c);
+  else hf::read_rope(j, c);
+  if (layout == HfLayout::kLlama4) c.rotary.interleaved = true;  // complex pairs (2m, 2m + 1), as Meta's checkpoints
   c.attention_bias = hf::boolean(j, path, "attention_bias", layout == HfLayout::kGptOss);
-  // Qwen2 has a sliding_window that only applies with use_sliding_window.
-  if (layout != HfLayout::kQwen2 || hf::boolean(j, path, "use_sliding_window", false))
+  // Qwen2 and Qwen3 have a sliding_window that only applies with use_sliding_window.
+  if ((layout != HfLayout::kQwen2 && layout != HfLayout::kQwen3) || hf::boolean(j, path, "use_sliding_window", false))
     c.sliding_window = hf::integer(j, path, "sliding_window", false, -1);
   c.layer_types = hf::texts(j, path, "layer_types");
+  const char* other_type = layout == HfLayout::kLlama4 ? "chunked_attention" : layout == HfLayout::kQwen3Next ? "linear_attention" : "sliding_attention";
   for (const std::string& t : c.layer_types)
-    if (t != "sliding_attention" && t != "full_attention")
-      hf::fail(path, "config.json \"layer_types\" holds \"" + t + "\"; sdpa follows \"sliding_attention\" and \"full_attention\"");
+    if (t != other_type && t != "full_attention")
+      hf::fail(path, "config.json \"layer_types\" holds \"" + t + "\"; sdpa follows \"" + other_type + "\" and \"full_attention\" for " +
+                         hf_layout_name(layout));
+  c.rms_norm_eps = hf::number(j, path, "rms_norm_eps", 1e-6);
+  if (!(c.rms_norm_eps > 0)) hf::fail(path, "config.json \"rms_norm_eps\" must be positive, but is " + std::to_string(c.rms_norm_eps));
+  switch (layout) {
+    case HfLayout::kQwen3: c.qk_norm = QkNormKind::kHead; break;
+    case HfLayout::kOlmo2: c.qk_norm = QkNormKind::kProjection; break;
+    case HfLayout::kGemma3:
+    case HfLayout::kQwen3Next:
+      c.qk_norm = QkNormKind::kHead;
+      c.qk_norm_plus_one = true;
+      break;
+    case HfLayout::kLlama4:
+      if (hf::boolean(j, path, "use_qk_norm", true)) {
+        c.qk_norm = QkNormKind::kHead;
+        c.qk_norm_after_rotary = true;
+      }
+      break;
+    default: break;
+  }
+  c.output_gate = layout == HfLayout::kQwen3Next;
+  if (layout == HfLayout::kGemma3) {
+    c.softcap = hf::number(j, path, "attn_logit_softcapping", 0.0);
+    c.scale = 1.0 / std::sqrt(hf::number(j, path, "query_pre_attn_scalar", 256.0));
+    if (hf::boolean(j, path, "use_bidirectional_attention", false))
+      hf::fail(path, "config.json \"use_bidirectional_attention\": true (EmbeddingGemma) is not one sdpa follows");
+    if (c.layer_types.empty()) {
+      // Configs without layer_types: every sliding_window_pattern-th layer is full (transformers' default 6).
+      const Eigen::Index pattern = hf::integer(j, path, "sliding_window_pattern", false, 6);
+      const Eigen::Index layers = hf::integer(j, path, "num_hidden_layers");
+      for (Eigen::Index i = 0; i < layers; ++i)
+        c.layer_types.push_back(pattern > 0 && (i + 1) % pattern == 0 ? "full_attention" : "sliding_attention");
+    }
+  }
+  if (layout == HfLayout::kLlama4) {
+    c.sliding_window = -1;
+    const auto it = j.find("no_rope_layers");
+    const Eigen::Index layers = hf::integer(j, path, "num_hidden_layers");
+    if (it != j.end() && !it->is_null() && !(it->is_array() && it->empty())) {
+      if (!it->is_array()) hf::fail(path, "config.json \"no_rope_layers\" must be a list of 0 and 1, but is " + it->dump());
+      for (const auto& v : *it) {
+        if (!v.is_number_integer() || (v.get<long long>() != 0 && v.get<long long>() != 1))
+          hf::fail(path, "config.json \"no_rope_layers\" must be a list of 0 and 1, but holds " + v.dump());
+        c.no_rope_layers.push_back(static_cast<Eigen::Index>(v.get<long long>()));
+      }
+    } else {
+      const Eigen::Index interval = hf::integer(j, path, "no_rope_layer_interval", false, 4);
+      for (Eigen::Index i = 0; i < layers; ++i) c.no_rope_layers.push_back(interval > 0 && (i + 1) % interval != 0 ? 1 : 0);
+    }
+    c.attention_chunk_size = hf::integer(j, path, "attention_chunk_size", false, -1);
+    if (c.attention_chunk_size == 0) hf::fail(path, "config.json \"attention_chunk_size\" must be positive or null, but is 0");
+    if (c.layer_types.empty())
+      for (const Eigen::Index rope : c.no_rope_layers)
+        c.layer_types.push_back(rope != 0 && c.attention_chunk_size > 0 ? "chunked_attention" : "full_attention");
+    c.temperature_tuning = hf::boolean(j, path, "attn_temperature_tuning", true);
+    c.temperature.floor_scale = hf::number(j, path, "floor_scale", 8192.0);
+    c.temperature.attn_scale = hf::number(j, path, "attn_scale", 0.1);
+    if (c.temperature_tuning) {
+      try {
+        detail::check_temperature("read_hf_config", c.temperature);
+      } catch (const std::invalid_argument& e) {
+        hf::fail(path, std::string("config.json's floor_scale / attn_scale: ") + e.what());
+      }
+    }
+  }
   if (layout == HfLayout::kGemma2) {
     c.softcap = hf::number(j, path, "attn_logit_softcapping", 0.0);
     const double scalar = hf::number(j, path, "query_pre_attn_scalar", static_cast<double>(c.head_dim));
     c.scale = 1.0 / std::sqrt(scalar);
   }
   return c;
+}
+
+// Reads config.json for the attention of its model_type (hf_layout_of).
+inline HfAttentionConfig read_hf_config(const std::string& path) {
+  const nlohmann::json j = detail::hf::read_json(path);
+  if (!j.is_object()) detail::hf::fail(path, "config.json is not a JSON object");
+  return read_hf_config(path, hf_layout_of(detail::hf::text(j, path, "model_type", ""), path));
 }
 
 // A module of the config's shape: d_model hidden_size, h num_heads of head_dim, kv_heads num_kv_heads, no
@@ -263,6 +411,7 @@ ScaledDotProductAttention<Scalar> make_hf_attention(const HfAttentionConfig& c) 
   ScaledDotProductAttention<Scalar> m(c.hidden_size, c.head_dim, c.head_dim, c.num_heads, Scalar(0), c.num_kv_heads);
   m.eval();
   if (c.has_rotary) m.set_rotary(c.rotary);
+  m.set_output_gate(c.output_gate);
   return m;
 }
 
@@ -311,6 +460,18 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
   const Index d = c.hidden_size, hq = c.num_heads * c.head_dim, hk = c.num_kv_heads * c.head_dim;
   std::vector<Scalar> wq, wk, wv, wo, bq(static_cast<std::size_t>(hq), Scalar(0)), bk(static_cast<std::size_t>(hk), Scalar(0)),
       bv(static_cast<std::size_t>(hk), Scalar(0)), bo(static_cast<std::size_t>(d), Scalar(0)), sinks;
+  std::vector<Scalar> wg, bg(static_cast<std::size_t>(hq), Scalar(0)), q_norm, k_norm;
+  const Index layer = hf::layer_of(prefix);
+  const auto layer_type = [&]() -> std::string {
+    if (c.layer_types.empty()) return "";
+    if (layer < 0 || layer >= static_cast<Index>(c.layer_types.size()))
+      hf::fail(cfg_path, "prefix \"" + prefix + "\" names no layer of layer_types (" + std::to_string(c.layer_types.size()) +
+                             " layers)");
+    return c.layer_types[static_cast<std::size_t>(layer)];
+  };
+  if (layout == HfLayout::kQwen3Next && layer_type() == "linear_attention")
+    hf::fail(cfg_path, "layer " + std::to_string(layer) + " (prefix \"" + prefix +
+                           "\") is a linear-attention layer (Gated DeltaNet), which sdpa does not implement; its full-attention layers load");
   if (layout == HfLayout::kBert) {
     wq = hf::tensor<Scalar>(f, prefix + "self.query.weight", {hq, d});
     bq = hf::tensor<Scalar>(f, prefix + "self.query.bias", {hq});
@@ -339,29 +500,52 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
     for (Index o = 0; o < d; ++o)
       for (Index i = 0; i < d; ++i) wo[static_cast<std::size_t>(o * d + i)] = w_o[static_cast<std::size_t>(i * d + o)];
   } else {
-    wq = hf::tensor<Scalar>(f, prefix + "q_proj.weight", {hq, d});
+    if (c.output_gate) {
+      // Qwen3-Next: q_proj's rows hold, per head, head_dim query rows then head_dim gate rows.
+      const std::vector<Scalar> w = hf::tensor<Scalar>(f, prefix + "q_proj.weight", {2 * hq, d});
+      const std::vector<Scalar> b =
+          c.attention_bias ? hf::tensor<Scalar>(f, prefix + "q_proj.bias", {2 * hq}) : std::vector<Scalar>(static_cast<std::size_t>(2 * hq), Scalar(0));
+      wq.resize(static_cast<std::size_t>(hq * d));
+      wg.resize(wq.size());
+      const Index dh = c.head_dim;
+      for (Index head = 0; head < c.num_heads; ++head)
+        for (Index r = 0; r < dh; ++r) {
+          const Index to = head * dh + r, from_q = head * 2 * dh + r, from_g = from_q + dh;
+          std::copy_n(w.begin() + from_q * d, d, wq.begin() + to * d);
+          std::copy_n(w.begin() + from_g * d, d, wg.begin() + to * d);
+          bq[static_cast<std::size_t>(to)] = b[static_cast<std::size_t>(from_q)];
+          bg[static_cast<std::size_t>(to)] = b[static_cast<std::size_t>(from_g)];
+        }
+    } else {
+      wq = hf::tensor<Scalar>(f, prefix + "q_proj.weight", {hq, d});
+    }
     wk = hf::tensor<Scalar>(f, prefix + "k_proj.weight", {hk, d});
     wv = hf::tensor<Scalar>(f, prefix + "v_proj.weight", {hk, d});
     wo = hf::tensor<Scalar>(f, prefix + "o_proj.weight", {d, hq});
     const bool qkv_bias = c.attention_bias || layout == HfLayout::kQwen2;
+    if (qkv_bias && !c.output_gate) bq = hf::tensor<Scalar>(f, prefix + "q_proj.bias", {hq});
     if (qkv_bias) {
-      bq = hf::tensor<Scalar>(f, prefix + "q_proj.bias", {hq});
       bk = hf::tensor<Scalar>(f, prefix + "k_proj.bias", {hk});
       bv = hf::tensor<Scalar>(f, prefix + "v_proj.bias", {hk});
     }
     if (c.attention_bias) bo = hf::tensor<Scalar>(f, prefix + "o_proj.bias", {d});
     if (layout == HfLayout::kGptOss) sinks = hf::tensor<Scalar>(f, prefix + "sinks", {c.num_heads});
+    if (c.qk_norm != QkNormKind::kNone && !c.qk_norm_after_rotary) {
+      const bool per_head = c.qk_norm == QkNormKind::kHead;
+      q_norm = hf::tensor<Scalar>(f, prefix + "q_norm.weight", {per_head ? c.head_dim : hq});
+      k_norm = hf::tensor<Scalar>(f, prefix + "k_norm.weight", {per_head ? c.head_dim : hk});
+      if (c.qk_norm_plus_one) {
+        for (Scalar& w : q_norm) w = Scalar(1) + w;
+        for (Scalar& w : k_norm) w = Scalar(1) + w;
+      }
+    }
   }
   // The options of this layer.
   AttentionOptions<Scalar> o;
   o.causal = c.causal;
-  const Index layer = hf::layer_of(prefix);
   bool sliding = c.sliding_window > 0;
   if (!c.layer_types.empty()) {
-    if (layer < 0 || layer >= static_cast<Index>(c.layer_types.size()))
-      hf::fail(cfg_path, "prefix \"" + prefix + "\" names no layer of layer_types (" + std::to_string(c.layer_types.size()) +
-                             " layers)");
-    sliding = sliding && c.layer_types[static_cast<std::size_t>(layer)] == "sliding_attention";
+    sliding = sliding && layer_type() == "sliding_attention";
   } else if (layout == HfLayout::kGemma2 && sliding) {
     // Configs from before layer_types: Gemma 2 alternates, its even layers sliding.
     if (layer < 0) hf::fail(cfg_path, "prefix \"" + prefix + "\" names no layer (Gemma 2's window depends on it)");
@@ -379,6 +563,29 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
     o.scale = static_cast<Scalar>(scale);
   }
   o.sinks = sinks;
+  // Llama 4: rotary layers (no_rope_layers 1) are chunked and L2-normalised; the others have no rotary and,
+  // with attn_temperature_tuning, temper their queries.
+  bool use_rope = c.has_rotary;
+  if (layout == HfLayout::kLlama4) {
+    if (layer < 0 || layer >= static_cast<Index>(c.no_rope_layers.size()))
+      hf::fail(cfg_path, "prefix \"" + prefix + "\" names no layer of no_rope_layers (" + std::to_string(c.no_rope_layers.size()) +
+                             " layers)");
+    use_rope = c.no_rope_layers[static_cast<std::size_t>(layer)] != 0;
+    if (layer_type() == "chunked_attention") {
+      if (c.attention_chunk_size <= 0) hf::fail(cfg_path, "a chunked_attention layer needs a positive attention_chunk_size");
+      o.program = flex::program<Scalar>(flex::noop_score{}, flex::chunked{c.attention_chunk_size});
+    }
+  }
+  const bool sliding_rotary = c.has_local_rotary && layer_type() == "sliding_attention";
+  QkNorm<Scalar> norm;
+  if (c.qk_norm != QkNormKind::kNone && (!c.qk_norm_after_rotary || use_rope)) {
+    norm.kind = c.qk_norm;
+    norm.eps = c.rms_norm_eps;
+    norm.after_rotary = c.qk_norm_after_rotary;
+    norm.q_weight = std::move(q_norm);
+    norm.k_weight = std::move(k_norm);
+  }
+  detail::check_qk_norm("load_hf_attention", norm, c.num_heads, c.num_kv_heads, c.head_dim);
   // Everything read: the module changes now (weights rounded to the module's weight storage, if narrower).
   const auto put = [](const std::vector<Scalar>& from, Scalar* to) { std::copy(from.begin(), from.end(), to); };
   const auto put_weight = [](const std::vector<Scalar>& from, Linear<Scalar>& to) {
@@ -394,8 +601,16 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
   put(bv, module.fc_v().bias().data());
   put_weight(wo, module.fc_o());
   put(bo, module.fc_o().bias().data());
-  if (c.has_rotary) module.set_rotary(c.rotary);
+  if (use_rope) module.set_rotary(sliding_rotary ? c.local_rotary : c.rotary);
   else module.clear_rotary();
+  module.set_qk_norm(std::move(norm));
+  if (layout == HfLayout::kLlama4 && !use_rope && c.temperature_tuning) module.set_query_temperature(c.temperature);
+  else module.clear_query_temperature();
+  module.set_output_gate(c.output_gate);
+  if (c.output_gate) {
+    put_weight(wg, module.fc_g());
+    put(bg, module.fc_g().bias().data());
+  }
   return o;
 }
 
