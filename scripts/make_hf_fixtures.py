@@ -68,8 +68,16 @@ def new_decoders():
     the rotary), the output gate, chunked and NoPE layers with temperature tuning, a rotary per layer kind."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Llama4ForCausalLM, Llama4TextConfig, Olmo2Config,
                               Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
+    from transformers import Phi3Config, Phi3ForCausalLM
     common = dict(COMMON)
     return {
+        # LongRoPE on 12 of 16 features (partial_rotary_factor 0.75), pretrained length 8: the prompt of 7
+        # rotates short, the steps from position 8 on long (the prompt's cached keys stay short).
+        "phi3": (Phi3ForCausalLM, Phi3Config(**common, num_key_value_heads=2, original_max_position_embeddings=8,
+                                            partial_rotary_factor=0.75, pad_token_id=0,
+                                            rope_scaling={"rope_type": "longrope",
+                                                          "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                          "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]})),
         # 6 heads of 16 in a hidden size of 64 (head_dim != hidden / heads), GQA groups of 3.
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(**dict(common, num_attention_heads=6), num_key_value_heads=2, head_dim=16,
                                                rope_scaling={"rope_type": "linear", "factor": 2.0})),

@@ -47,7 +47,7 @@ const Model kModels[] = {{"llama", HfLayout::kLlama},   {"mistral", HfLayout::kM
                          {"bert", HfLayout::kBert},     {"gpt2_layer_scaled", HfLayout::kGpt2},
                          {"gpt2_unscaled", HfLayout::kGpt2}, {"bert_decoder", HfLayout::kBert},
                          {"qwen3", HfLayout::kQwen3},   {"olmo2", HfLayout::kOlmo2},     {"gemma3", HfLayout::kGemma3},
-                         {"qwen3_next", HfLayout::kQwen3Next}, {"llama4_text", HfLayout::kLlama4}};
+                         {"qwen3_next", HfLayout::kQwen3Next}, {"llama4_text", HfLayout::kLlama4}, {"phi3", HfLayout::kPhi3}};
 
 // layers.json: the attention blocks' prefixes, in layer order.
 std::vector<std::string> prefixes(const std::string& model) {
@@ -116,11 +116,17 @@ void check_gradients(const Model& m, const Fixture& f, const std::string& tag, S
       for (const auto* w : {&g.fc_q.weight, &g.fc_g.weight})
         q_proj.insert(q_proj.end(), w->data() + head * dh * d, w->data() + (head + 1) * dh * d);
     EXPECT_LT(relative_error<Scalar>(q_proj, flat_expected("q_proj.weight")), tolerance) << "q_proj";
+  } else if (m.layout == HfLayout::kPhi3) {
+    std::vector<Scalar> qkv;  // Phi-3's fused qkv_proj: rows q | k | v
+    for (const auto* w : {&g.fc_q.weight, &g.fc_k.weight, &g.fc_v.weight}) qkv.insert(qkv.end(), w->data(), w->data() + w->size());
+    EXPECT_LT(relative_error<Scalar>(qkv, flat_expected("qkv_proj.weight")), tolerance) << "qkv_proj";
   } else {
     EXPECT_LT(relative_error<Scalar>(flat(g.fc_q.weight), flat_expected("q_proj.weight")), tolerance) << "q_proj";
   }
-  EXPECT_LT(relative_error<Scalar>(flat(g.fc_k.weight), flat_expected("k_proj.weight")), tolerance) << "k_proj";
-  EXPECT_LT(relative_error<Scalar>(flat(g.fc_v.weight), flat_expected("v_proj.weight")), tolerance) << "v_proj";
+  if (m.layout != HfLayout::kPhi3) {
+    EXPECT_LT(relative_error<Scalar>(flat(g.fc_k.weight), flat_expected("k_proj.weight")), tolerance) << "k_proj";
+    EXPECT_LT(relative_error<Scalar>(flat(g.fc_v.weight), flat_expected("v_proj.weight")), tolerance) << "v_proj";
+  }
   EXPECT_LT(relative_error<Scalar>(flat(g.fc_o.weight), flat_expected("o_proj.weight")), tolerance) << "o_proj";
   if (f.has(tag + ".grad.q_norm.weight")) {
     EXPECT_LT(relative_error<Scalar>(g.q_norm, flat_expected("q_norm.weight")), tolerance) << "q_norm";
@@ -302,8 +308,12 @@ TEST(HfModels, ConfigsSdpaCannotFollowAreRefused) {
     EXPECT_NE(msg.find(dir), std::string::npos) << msg;
     EXPECT_THROW(sdpa::read_hf_config(dir + "/config.json", layout), SafetensorsError);
   };
-  refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j["rope_parameters"]["rope_type"] = "longrope"; },
-         "rope_type \"longrope\" is not one sdpa implements");
+  refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j["rope_parameters"]["rope_type"] = "dynamic"; },
+         "rope_type \"dynamic\" is not one sdpa implements");
+  refuse("phi3", HfLayout::kPhi3, [](nlohmann::json& j) { j["rope_parameters"]["long_factor"] = {1.0, 2.0}; },
+         "longrope's short_factor and long_factor must hold 6 factors each");
+  refuse("phi3", HfLayout::kPhi3, [](nlohmann::json& j) { j["rope_parameters"]["short_factor"][2] = "x"; },
+         "\"short_factor\" must be a list of numbers, but holds \"x\"");
   refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j.erase("hidden_size"); }, "no \"hidden_size\"");
   refuse("llama", HfLayout::kLlama, [](nlohmann::json& j) { j["num_attention_heads"] = "four"; },
          "\"num_attention_heads\" must be a non-negative integer");

@@ -3,8 +3,16 @@
 // the token's position, so that q . k depends on their distance only. A property of the model: a module's
 // rotary (ScaledDotProductAttention::set_rotary) rotates its queries and keys at their positions (keys once,
 // before they enter a cache, at their absolute positions), and sdpa::attention takes one in its options.
-// The long-context scalings follow Hugging Face's rope_type "linear", "llama3" and "yarn"
+// The long-context scalings follow Hugging Face's rope_type "linear", "llama3", "yarn" and "longrope"
 // (transformers' _compute_*_parameters).
+//
+// LongRoPE (Phi-3) has two frequency sets: a call whose positions reach past long_after (the pretrained
+// length) rotates with long_inv_freq, else with inv_freq, as transformers picks the set for a whole call
+// by its largest position. A call here is what one apply_rotary covers: a forward (every row up to nk), a
+// decoding step (the cache's positions through the step's last), each sequence of a packed call or a paged
+// step (transformers, with a ragged batch, would take the largest of all). Keys keep the set they were
+// rotated with when they enter a cache: the keys of a prompt rotated short stay short when a later step
+// runs long, as in transformers' cache.
 //
 // Pair m of a head, angle = position * inv_freq[m], c = cos(angle) * attention_factor, s = sin(angle) *
 // attention_factor:
@@ -33,7 +41,9 @@ struct Rotary {
   bool interleaved = false;      // false: half-split pairs (m, m + dim/2); true: (2m, 2m + 1)
   double theta = 10000;
   std::vector<double> inv_freq;  // empty: theta^(-2m/dim); else dim/2 frequencies
-  double attention_factor = 1;   // cos and sin multiplied by it (YaRN)
+  double attention_factor = 1;   // cos and sin multiplied by it (YaRN, LongRoPE)
+  std::vector<double> long_inv_freq;  // LongRoPE: empty, or the dim/2 frequencies of calls past long_after
+  Eigen::Index long_after = 0;        // LongRoPE: the largest position + 1 a call may reach with inv_freq
 
   // The features rotated in a head of d_k features.
   Eigen::Index rotated(Eigen::Index d_k) const noexcept { return dim == 0 ? d_k : dim; }
@@ -65,6 +75,12 @@ inline void check_rotary(const char* where, const Rotary& r, Eigen::Index d_k) {
     if (!std::isfinite(r.inv_freq[i])) throw_invalid(where, concat("rotary.inv_freq[", i, "]"), "finite", r.inv_freq[i]);
   if (!std::isfinite(r.attention_factor))
     throw_invalid(where, "rotary.attention_factor", "finite", r.attention_factor);
+  if (!r.long_inv_freq.empty() && static_cast<Eigen::Index>(r.long_inv_freq.size()) != n / 2)
+    throw_invalid(where, "rotary.long_inv_freq", concat("empty or dim / 2 = ", n / 2, " frequencies"),
+                  concat(r.long_inv_freq.size(), " frequencies"));
+  for (std::size_t i = 0; i < r.long_inv_freq.size(); ++i)
+    if (!std::isfinite(r.long_inv_freq[i])) throw_invalid(where, concat("rotary.long_inv_freq[", i, "]"), "finite", r.long_inv_freq[i]);
+  if (r.long_after < 0) throw_invalid(where, "rotary.long_after", "non-negative", r.long_after);
 }
 
 // The cosines and sines of one position for every pair, times the attention factor.
@@ -83,13 +99,15 @@ void rotary_angles(const std::vector<Scalar>& inv_freq, double factor, Eigen::In
 
 // Rotates rows in place: row i (i < rows) of `x` holds `heads` heads of d_k features, head h of row i at
 // x + i * row_stride + h * head_stride, at position first_position + i. inverse: rotate by -angle (the
-// transpose, for gradients), with the same factor.
+// transpose, for gradients), with the same factor. The rows are one call for LongRoPE's choice of
+// frequencies (long past long_after).
 template <typename Scalar>
 void apply_rotary(const Rotary& r, Scalar* x, Eigen::Index rows, Eigen::Index row_stride, Eigen::Index heads,
                   Eigen::Index head_stride, Eigen::Index d_k, Eigen::Index first_position, bool inverse = false) {
   const Eigen::Index n = r.rotated(d_k), half = n / 2;
   if (rows <= 0 || heads <= 0 || half == 0) return;
-  const std::vector<double> freq = r.frequencies(d_k);
+  const bool long_call = !r.long_inv_freq.empty() && first_position + rows > r.long_after;
+  const std::vector<double> freq = long_call ? r.long_inv_freq : r.frequencies(d_k);
   std::vector<Scalar> inv_freq(freq.begin(), freq.end()), c(static_cast<std::size_t>(half)), s(c.size());
   const Eigen::Index lo_stride = r.interleaved ? 2 : 1, hi_offset = r.interleaved ? 1 : half;
   for (Eigen::Index i = 0; i < rows; ++i) {
@@ -188,6 +206,44 @@ inline Rotary rope_yarn(Eigen::Index dim, double theta, double factor, Eigen::In
         interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor;
   }
   r.attention_factor = factor <= 1 ? 1.0 : 0.1 * std::log(factor) + 1.0;
+  return r;
+}
+
+// LongRoPE (Phi-3, rope_type "longrope"): frequencies theta^(-2m/dim) / short_factor[m] for calls within
+// original_max_positions, / long_factor[m] past it; the attention factor sqrt(1 + ln(factor) /
+// ln(original_max_positions)) for factor > 1 (else 1) unless attention_factor > 0 gives it.
+inline Rotary rope_longrope(Eigen::Index dim, double theta, const std::vector<double>& short_factor,
+                            const std::vector<double>& long_factor, Eigen::Index original_max_positions, double factor,
+                            double attention_factor = 0) {
+  const char* where = "rope_longrope";
+  if (dim <= 0 || dim % 2 != 0) detail::throw_invalid(where, "dim", "a positive even number of features", dim);
+  const std::size_t half = static_cast<std::size_t>(dim / 2);
+  if (short_factor.size() != half)
+    detail::throw_invalid(where, "short_factor", detail::concat("dim / 2 = ", half, " factors"), detail::concat(short_factor.size(), " factors"));
+  if (long_factor.size() != half)
+    detail::throw_invalid(where, "long_factor", detail::concat("dim / 2 = ", half, " factors"), detail::concat(long_factor.size(), " factors"));
+  for (std::size_t m = 0; m < half; ++m) {
+    if (!(std::isfinite(short_factor[m]) && short_factor[m] > 0))
+      detail::throw_invalid(where, detail::concat("short_factor[", m, "]"), "finite and positive", short_factor[m]);
+    if (!(std::isfinite(long_factor[m]) && long_factor[m] > 0))
+      detail::throw_invalid(where, detail::concat("long_factor[", m, "]"), "finite and positive", long_factor[m]);
+  }
+  if (original_max_positions <= 1) detail::throw_invalid(where, "original_max_positions", "above 1", original_max_positions);
+  if (!(std::isfinite(factor) && factor > 0)) detail::throw_invalid(where, "factor", "finite and positive", factor);
+  Rotary r;
+  r.dim = dim;
+  r.theta = theta;
+  const std::vector<double> base = r.frequencies(dim);
+  r.inv_freq.resize(half);
+  r.long_inv_freq.resize(half);
+  for (std::size_t m = 0; m < half; ++m) {
+    r.inv_freq[m] = base[m] / short_factor[m];
+    r.long_inv_freq[m] = base[m] / long_factor[m];
+  }
+  r.long_after = original_max_positions;
+  r.attention_factor = attention_factor > 0 ? attention_factor
+                       : factor <= 1        ? 1.0
+                                            : std::sqrt(1 + std::log(factor) / std::log(static_cast<double>(original_max_positions)));
   return r;
 }
 

@@ -69,6 +69,9 @@ class HeadParallelAttention {
     same("d_v", local_.d_v(), whole.d_v());
     same("h", h_, whole.h());
     same("kv_heads", kv_heads_, whole.kv_heads());
+    if (whole.qk_norm() != nullptr && whole.qk_norm()->kind == QkNormKind::kProjection)
+      detail::throw_invalid(where, "the whole module's qk_norm",
+                            "none or per head (a norm over the whole projection needs every head on one rank)", "kProjection");
     set_rows(local_.fc_q(), whole.fc_q().weight_values(), whole.fc_q().bias(), first_head() * local_.d_k());
     set_rows(local_.fc_k(), whole.fc_k().weight_values(), whole.fc_k().bias(), first_kv_head() * local_.d_k());
     set_rows(local_.fc_v(), whole.fc_v().weight_values(), whole.fc_v().bias(), first_kv_head() * local_.d_v());
@@ -78,6 +81,16 @@ class HeadParallelAttention {
       local_.set_rotary(*whole.rotary());
     else
       local_.clear_rotary();
+    if (whole.qk_norm() != nullptr)
+      local_.set_qk_norm(*whole.qk_norm());  // per head: every rank's heads take the same weights
+    else
+      local_.clear_qk_norm();
+    if (whole.query_temperature() != nullptr)
+      local_.set_query_temperature(*whole.query_temperature());
+    else
+      local_.clear_query_temperature();
+    local_.set_output_gate(whole.output_gate());
+    if (whole.output_gate()) set_rows(local_.fc_g(), whole.fc_g().weight_values(), whole.fc_g().bias(), first_head() * local_.d_v());
     local_.set_masked_rows(whole.masked_rows());
     local_.set_kernel(whole.kernel());
     local_.set_dropout(whole.dropout());

@@ -134,7 +134,9 @@ void add_option_fields(Fields& f, const AttentionOptions<Scalar>& o) {
       .integer("rotary.interleaved", r.interleaved ? 1 : 0)
       .real("rotary.theta", r.theta)
       .list("rotary.inv_freq", r.inv_freq)
-      .real("rotary.attention_factor", r.attention_factor);
+      .real("rotary.attention_factor", r.attention_factor)
+      .list("rotary.long_inv_freq", r.long_inv_freq)
+      .integer("rotary.long_after", r.long_after);
 }
 
 inline std::string field_text(const Field& f, std::int64_t value) {

@@ -554,6 +554,9 @@ void check_ring(const ::sdpa::detail::CallShape& local, const std::array<Index, 
   using ::sdpa::detail::throw_invalid;
   const char* where = local.where;
   const char* axes = o.layout == Layout::kBHND ? "(batch, heads, seq, dim)" : "(batch, seq, heads, dim)";
+  if (o.rotary != nullptr && !o.rotary->long_inv_freq.empty())
+    throw_invalid(where, "rotary.long_inv_freq", "empty (LongRoPE picks its frequencies per whole call, which no rank sees)",
+                  concat(o.rotary->long_inv_freq.size(), " frequencies"));
   const int seq_axis = o.layout == Layout::kBHND ? 2 : 1, head_axis = o.layout == Layout::kBHND ? 1 : 2;
   for (const auto& [name, d] : {std::make_pair("k", kd), std::make_pair("v", vd)})
     if (d[0] != qd[0])

@@ -48,7 +48,7 @@
 
 SDPA_NAMESPACE_BEGIN
 
-enum class HfLayout { kBert, kGpt2, kLlama, kMistral, kQwen2, kGemma2, kGptOss, kQwen3, kOlmo2, kGemma3, kQwen3Next, kLlama4 };
+enum class HfLayout { kBert, kGpt2, kLlama, kMistral, kQwen2, kGemma2, kGptOss, kQwen3, kOlmo2, kGemma3, kQwen3Next, kLlama4, kPhi3 };
 
 inline const char* hf_layout_name(HfLayout l) noexcept {
   switch (l) {
@@ -63,6 +63,7 @@ inline const char* hf_layout_name(HfLayout l) noexcept {
     case HfLayout::kOlmo2: return "olmo2";
     case HfLayout::kGemma3: return "gemma3_text";
     case HfLayout::kQwen3Next: return "qwen3_next";
+    case HfLayout::kPhi3: return "phi3";
     default: return "llama4_text";
   }
 }
@@ -175,6 +176,19 @@ inline std::vector<std::string> texts(const nlohmann::json& j, const std::string
   return out;
 }
 
+// `key` of j as a list of numbers; absent or null: empty; anything else refused.
+inline std::vector<double> numbers(const nlohmann::json& j, const std::string& path, const char* key) {
+  std::vector<double> out;
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return out;
+  if (!it->is_array()) fail(path, std::string("config.json \"") + key + "\" must be a list of numbers, but is " + it->dump());
+  for (const auto& v : *it) {
+    if (!v.is_number()) fail(path, std::string("config.json \"") + key + "\" must be a list of numbers, but holds " + v.dump());
+    out.push_back(v.get<double>());
+  }
+  return out;
+}
+
 // The layer index in a prefix such as "model.layers.3.self_attn." or "transformer.h.0.attn.": the last
 // all-digit component of at most 9 digits (longer ones name no layer a config has); -1 when there is none.
 inline Eigen::Index layer_of(const std::string& prefix) {
@@ -211,7 +225,8 @@ inline Rotary rope_of(const nlohmann::json& j, const nlohmann::json& rope, const
   const Eigen::Index dim = static_cast<Eigen::Index>(static_cast<double>(c.head_dim) * partial);
   const std::string type = text(rope, c.path, "rope_type", text(rope, c.path, "type", "default"));
   const Eigen::Index max_positions = integer(j, c.path, "max_position_embeddings", false, 2048);
-  const Eigen::Index original = integer(rope, c.path, "original_max_position_embeddings", false, max_positions);
+  const Eigen::Index original = integer(rope, c.path, "original_max_position_embeddings", false,
+                                       integer(j, c.path, "original_max_position_embeddings", false, max_positions));
   // yarn without a factor scales from the pretrained length to max_position_embeddings (transformers' rule).
   const double factor = number(rope, c.path, "factor",
                                type == "yarn" && original > 0 ? static_cast<double>(max_positions) / static_cast<double>(original) : 1.0);
@@ -237,8 +252,21 @@ inline Rotary rope_of(const nlohmann::json& j, const nlohmann::json& rope, const
     if (attention_factor > 0) r.attention_factor = attention_factor;
     else if (mscale > 0 && mscale_all_dim > 0)
       r.attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim);
+  } else if (type == "longrope" || type == "su") {
+    // Phi-3: factor, unless given, is max_position_embeddings / original_max_position_embeddings.
+    const std::vector<double> short_factor = numbers(rope, c.path, "short_factor"), long_factor = numbers(rope, c.path, "long_factor");
+    const std::size_t half = static_cast<std::size_t>(dim / 2);
+    if (short_factor.size() != half || long_factor.size() != half)
+      fail(c.path, "longrope's short_factor and long_factor must hold " + std::to_string(half) + " factors each (rotated features / 2), but hold " +
+                       std::to_string(short_factor.size()) + " and " + std::to_string(long_factor.size()));
+    const double longrope_factor = number(rope, c.path, "factor", static_cast<double>(max_positions) / static_cast<double>(original));
+    try {
+      r = rope_longrope(dim, theta, short_factor, long_factor, original, longrope_factor, number(rope, c.path, "attention_factor", 0.0));
+    } catch (const std::invalid_argument& e) {
+      fail(c.path, std::string("longrope parameters: ") + e.what());
+    }
   } else {
-    fail(c.path, "rope_type \"" + type + "\" is not one sdpa implements (default, linear, llama3, yarn)");
+    fail(c.path, "rope_type \"" + type + "\" is not one sdpa implements (default, linear, llama3, yarn, longrope)");
   }
   return r;
 }
@@ -273,7 +301,7 @@ inline HfLayout hf_layout_of(const std::string& model_type, const std::string& p
       {"mistral", HfLayout::kMistral},     {"qwen2", HfLayout::kQwen2},         {"gemma2", HfLayout::kGemma2},
       {"gpt_oss", HfLayout::kGptOss},      {"qwen3", HfLayout::kQwen3},         {"olmo2", HfLayout::kOlmo2},
       {"gemma3", HfLayout::kGemma3},       {"gemma3_text", HfLayout::kGemma3},  {"qwen3_next", HfLayout::kQwen3Next},
-      {"llama4", HfLayout::kLlama4},       {"llama4_text", HfLayout::kLlama4}};
+      {"llama4", HfLayout::kLlama4},       {"llama4_text", HfLayout::kLlama4},  {"phi3", HfLayout::kPhi3}};
   for (const auto& [name, layout] : known)
     if (model_type == name) return layout;
   std::string names;
@@ -345,6 +373,7 @@ inline HfAttentionConfig read_hf_config(const std::string& path, HfLayout layout
     default: break;
   }
   c.output_gate = layout == HfLayout::kQwen3Next;
+  if (layout == HfLayout::kPhi3) c.attention_bias = false;  // Phi-3's qkv_proj and o_proj have no biases
   if (layout == HfLayout::kGemma3) {
     c.softcap = hf::number(j, path, "attn_logit_softcapping", 0.0);
     c.scale = 1.0 / std::sqrt(hf::number(j, path, "query_pre_attn_scalar", 256.0));
@@ -500,7 +529,13 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
     for (Index o = 0; o < d; ++o)
       for (Index i = 0; i < d; ++i) wo[static_cast<std::size_t>(o * d + i)] = w_o[static_cast<std::size_t>(i * d + o)];
   } else {
-    if (c.output_gate) {
+    if (layout == HfLayout::kPhi3) {
+      // Phi-3's fused qkv_proj: rows q | k | v.
+      const std::vector<Scalar> w = hf::tensor<Scalar>(f, prefix + "qkv_proj.weight", {hq + 2 * hk, d});
+      wq.assign(w.begin(), w.begin() + hq * d);
+      wk.assign(w.begin() + hq * d, w.begin() + (hq + hk) * d);
+      wv.assign(w.begin() + (hq + hk) * d, w.end());
+    } else if (c.output_gate) {
       // Qwen3-Next: q_proj's rows hold, per head, head_dim query rows then head_dim gate rows.
       const std::vector<Scalar> w = hf::tensor<Scalar>(f, prefix + "q_proj.weight", {2 * hq, d});
       const std::vector<Scalar> b =
@@ -519,8 +554,10 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
     } else {
       wq = hf::tensor<Scalar>(f, prefix + "q_proj.weight", {hq, d});
     }
-    wk = hf::tensor<Scalar>(f, prefix + "k_proj.weight", {hk, d});
-    wv = hf::tensor<Scalar>(f, prefix + "v_proj.weight", {hk, d});
+    if (layout != HfLayout::kPhi3) {
+      wk = hf::tensor<Scalar>(f, prefix + "k_proj.weight", {hk, d});
+      wv = hf::tensor<Scalar>(f, prefix + "v_proj.weight", {hk, d});
+    }
     wo = hf::tensor<Scalar>(f, prefix + "o_proj.weight", {d, hq});
     const bool qkv_bias = c.attention_bias || layout == HfLayout::kQwen2;
     if (qkv_bias && !c.output_gate) bq = hf::tensor<Scalar>(f, prefix + "q_proj.bias", {hq});
