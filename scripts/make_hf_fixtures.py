@@ -227,6 +227,49 @@ def make_decoder(name, cls, config, prompt=7, steps=4, batch=2, gradients=False)
     write_fixture(directory, entries)
 
 
+def make_qwen2_vl(prompt=7, steps=4, batch=2):
+    """Qwen2-VL's text model with multimodal rotary positions (t, h, w) per token: batch entry 0 holds two text
+    tokens, a 2 x 2 image (one t, its rows and columns in h and w) and text again, entry 1 text only; the
+    steps are text. Saves the positions as `positions` (3, batch, prompt + steps)."""
+    from transformers import DynamicCache, Qwen2VLTextConfig, Qwen2VLTextModel
+    name = "qwen2_vl"
+    config = Qwen2VLTextConfig(**COMMON, num_key_value_heads=2,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen2VLTextModel(config).eval()
+    randomize(model, mf.seed_of("hf/" + name))
+    directory = os.path.join(OUT, name)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    n = prompt + steps
+    pos = torch.zeros(3, batch, n, dtype=torch.int64)
+    image = [(2, 2, 2), (2, 2, 3), (2, 3, 2), (2, 3, 3)]
+    row0 = [(0, 0, 0), (1, 1, 1)] + image + [(4 + i, 4 + i, 4 + i) for i in range(n - 6)]
+    for t, p in enumerate(row0):
+        pos[:, 0, t] = torch.tensor(p)
+    pos[:, 1, :] = torch.arange(n)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, n), generator=g)
+    entries = version_entries() + [("prompt", np.int64(prompt)), ("steps", np.int64(steps)), ("positions", pos.numpy())]
+    with torch.no_grad():
+        full = capture(model, lambda: model(ids[:, :prompt], position_ids=pos[:, :, :prompt], use_cache=False))
+        names = sorted(full)
+        for i, nm in enumerate(names):
+            entries += [(f"layer{i}.prefill.input", full[nm][0]), (f"layer{i}.prefill.output", full[nm][1])]
+        cache = DynamicCache(config=config)
+        model(ids[:, :prompt], position_ids=pos[:, :, :prompt], past_key_values=cache, use_cache=True)
+        for t in range(steps):
+            at = prompt + t
+            seen = capture(model, lambda: model(ids[:, at:at + 1], position_ids=pos[:, :, at:at + 1], past_key_values=cache,
+                                                use_cache=True))
+            for i, nm in enumerate(names):
+                entries += [(f"layer{i}.step{t}.input", seen[nm][0]), (f"layer{i}.step{t}.output", seen[nm][1])]
+    with open(os.path.join(directory, "layers.json"), "w") as f:
+        json.dump([nm + "." for nm in names], f)
+    write_fixture(directory, entries)
+
+
 def make_gpt2(name="gpt2", **overrides):
     from transformers import GPT2Config, GPT2LMHeadModel
     config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0,
@@ -299,6 +342,8 @@ def main():
     for name, (cls, config) in new_decoders().items():
         if want(name):
             make_decoder(name, cls, config, gradients=True)
+    if want("qwen2_vl"):
+        make_qwen2_vl()
     if want("gpt2"):
         make_gpt2()
     if want("gpt2_layer_scaled"):  # scores divided by layer + 1 too, through the upcast and reordered product

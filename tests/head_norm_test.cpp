@@ -349,6 +349,128 @@ TEST(HeadNorm, GradientsMatchCentralDifferences) {
   }
 }
 
+// MRoPE (Qwen2-VL): text tokens (three equal positions) turn as implicit positions do; an image's (t, h, w)
+// turn each section by its stream, against a plain double rotation; the step takes the positions of its
+// tokens; the gradients hold through the explicit positions; wrong counts are refused.
+TEST(HeadNorm, MultimodalRotaryPositions) {
+  using T = double;
+  auto m = make_module<T>(Variant{"plain", sdpa::QkNormKind::kNone, false, false, false, false, false}, 13);
+  sdpa::Rotary r;
+  r.theta = 100;
+  r.mrope_section = {1, 1, 2};  // frequency 0: t, 1: h, 2 and 3: w
+  m.set_rotary(r);
+  const Index batch = 2, n = 6;
+  const Tensor3<T> x = random_input<T>(batch, n, 11);
+  sdpa::AttentionOptions<T> o;
+  o.causal = true;
+  const Tensor3<T> implicit = m(x, x, x, o);
+  for (Index st = 0; st < 3; ++st)
+    for (Index b = 0; b < batch; ++b)
+      for (Index t = 0; t < n; ++t) o.rotary_positions.push_back(t);
+  EXPECT_LT(max_error(m(x, x, x, o), implicit), 1e-14) << "text positions";
+  // Entry 0: tokens 1..4 an image (t = 1; h, w in {1, 2}); then text at 3. Entry 1: text.
+  const Index t_h_w[3][6] = {{0, 1, 1, 1, 1, 3}, {0, 1, 1, 2, 2, 3}, {0, 1, 2, 1, 2, 3}};
+  o.rotary_positions.clear();
+  for (Index st = 0; st < 3; ++st)
+    for (Index b = 0; b < batch; ++b)
+      for (Index t = 0; t < n; ++t) o.rotary_positions.push_back(b == 0 ? t_h_w[st][t] : t);
+  const Tensor3<T> y = m(x, x, x, o);
+  // The reference: q and k of entry 0 rotated per frequency by its stream's position.
+  const auto project = [&](const sdpa::Linear<T>& l, Index t) {
+    std::vector<double> row(static_cast<std::size_t>(kModel));
+    for (Index c = 0; c < kModel; ++c) row[static_cast<std::size_t>(c)] = x(0, t, c);
+    return linear64(l)(row);
+  };
+  const auto turn = [&](std::vector<double> v, Index t) {
+    const Index stream_of[4] = {0, 1, 2, 2};
+    for (std::size_t h = 0; h < v.size(); h += kDk)
+      for (Index f = 0; f < kDk / 2; ++f) {
+        const double angle = static_cast<double>(t_h_w[stream_of[f]][t]) * std::pow(100.0, -2.0 * static_cast<double>(f) / kDk);
+        double& a = v[h + static_cast<std::size_t>(f)];
+        double& b = v[h + static_cast<std::size_t>(f + kDk / 2)];
+        const double a0 = a, b0 = b;
+        a = a0 * std::cos(angle) - b0 * std::sin(angle);
+        b = b0 * std::cos(angle) + a0 * std::sin(angle);
+      }
+    return v;
+  };
+  const Index t = n - 1;  // the last query of entry 0 sees every key
+  std::vector<double> att(static_cast<std::size_t>(kHeads * kDk), 0.0);
+  const std::vector<double> q = turn(project(m.fc_q(), t), t);
+  for (Index h = 0; h < kHeads; ++h) {
+    const Index j = h / (kHeads / kKvHeads);
+    std::vector<double> s;
+    double mx = -1e300, sum = 0;
+    for (Index u = 0; u <= t; ++u) {
+      const std::vector<double> k = turn(project(m.fc_k(), u), u);
+      double dot = 0;
+      for (Index c = 0; c < kDk; ++c) dot += q[static_cast<std::size_t>(h * kDk + c)] * k[static_cast<std::size_t>(j * kDk + c)];
+      s.push_back(dot / std::sqrt(double(kDk)));
+      mx = std::max(mx, s.back());
+    }
+    for (double& e : s) sum += (e = std::exp(e - mx));
+    for (Index u = 0; u <= t; ++u) {
+      const std::vector<double> v = project(m.fc_v(), u);
+      for (Index c = 0; c < kDk; ++c)
+        att[static_cast<std::size_t>(h * kDk + c)] += s[static_cast<std::size_t>(u)] / sum * v[static_cast<std::size_t>(j * kDk + c)];
+    }
+  }
+  const std::vector<double> want = linear64(m.fc_o())(att);
+  for (Index c = 0; c < kModel; ++c) EXPECT_NEAR(y(0, t, c), want[static_cast<std::size_t>(c)], 1e-12) << c;
+  EXPECT_GT(max_error(y, implicit), 1e-4);  // the image's positions matter
+  // Steps: the prompt of 4, then single tokens, each with its own positions.
+  sdpa::KVCache<T> cache(m, batch);
+  Index at = 0;
+  for (const Index chunk : {Index(4), Index(1), Index(1)}) {
+    sdpa::AttentionOptions<T> so;
+    for (Index st = 0; st < 3; ++st)
+      for (Index b = 0; b < batch; ++b)
+        for (Index i = at; i < at + chunk; ++i) so.rotary_positions.push_back(b == 0 ? t_h_w[st][i] : i);
+    Tensor3<T> part(batch, chunk, kModel), expected(batch, chunk, kModel);
+    for (Index b = 0; b < batch; ++b)
+      for (Index i = 0; i < chunk; ++i)
+        for (Index c = 0; c < kModel; ++c) {
+          part(b, i, c) = x(b, at + i, c);
+          expected(b, i, c) = y(b, at + i, c);
+        }
+    EXPECT_LT(max_error(m.step(part, cache, so), expected), 1e-12) << "step at " << at;
+    at += chunk;
+  }
+  // Gradients through the explicit positions, against central differences.
+  m.train();
+  const Tensor3<T> rr = random_input<T>(batch, n, 12);
+  Tensor3<T> xx = x;
+  sdpa::ForwardState<T> state;
+  m.forward(xx, xx, xx, o, state);
+  const sdpa::Gradients<T> g = m.backward(rr, state);
+  for (const Index i : {Index(3), Index(40), Index(90)}) {
+    const T keep = xx.data()[i];
+    const auto loss = [&] {
+      const Tensor3<T> out = m(xx, xx, xx, o);
+      double sum = 0;
+      for (Index e = 0; e < out.size(); ++e) sum += out.data()[e] * rr.data()[e];
+      return sum;
+    };
+    xx.data()[i] = keep + 1e-6;
+    const double up = loss();
+    xx.data()[i] = keep - 1e-6;
+    const double down = loss();
+    xx.data()[i] = keep;
+    EXPECT_NEAR(g.queries.data()[i] + g.keys.data()[i] + g.values.data()[i], (up - down) / 2e-6, 1e-7) << i;
+  }
+  // Refusals.
+  sdpa::AttentionOptions<T> bad;
+  bad.rotary_positions.assign(5, 0);
+  try {
+    m(x, x, x, bad);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("rotary_positions must be 36 values (3 streams x batch 2 x 6 rows)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(m.attend(x, cache, o), std::invalid_argument);
+}
+
 TEST(HeadNorm, ParametersAreNamedAsTransformersNamesThem) {
   const auto m = make_module<float>(kVariants[4], 1);  // gate and per-head norm weights
   std::vector<std::string> names;

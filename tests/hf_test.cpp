@@ -47,7 +47,8 @@ const Model kModels[] = {{"llama", HfLayout::kLlama},   {"mistral", HfLayout::kM
                          {"bert", HfLayout::kBert},     {"gpt2_layer_scaled", HfLayout::kGpt2},
                          {"gpt2_unscaled", HfLayout::kGpt2}, {"bert_decoder", HfLayout::kBert},
                          {"qwen3", HfLayout::kQwen3},   {"olmo2", HfLayout::kOlmo2},     {"gemma3", HfLayout::kGemma3},
-                         {"qwen3_next", HfLayout::kQwen3Next}, {"llama4_text", HfLayout::kLlama4}, {"phi3", HfLayout::kPhi3}};
+                         {"qwen3_next", HfLayout::kQwen3Next}, {"llama4_text", HfLayout::kLlama4}, {"phi3", HfLayout::kPhi3},
+                         {"qwen2_vl", HfLayout::kQwen2Vl}};
 
 // layers.json: the attention blocks' prefixes, in layer order.
 std::vector<std::string> prefixes(const std::string& model) {
@@ -134,6 +135,18 @@ void check_gradients(const Model& m, const Fixture& f, const std::string& tag, S
   }
 }
 
+// Qwen2-VL's fixture: the (t, h, w) positions of rows [r0, r1) of every batch entry, as rotary_positions.
+std::vector<Eigen::Index> positions(const Fixture& f, std::int64_t r0, std::int64_t r1) {
+  std::vector<Eigen::Index> out;
+  if (!f.has("positions")) return out;
+  const sdpa_test::Array& p = f.get("positions");  // (3, batch, rows)
+  for (std::int64_t st = 0; st < 3; ++st)
+    for (std::int64_t b = 0; b < p.dims[1]; ++b)
+      for (std::int64_t r = r0; r < r1; ++r)
+        out.push_back(static_cast<Eigen::Index>(p.i64[static_cast<std::size_t>((st * p.dims[1] + b) * p.dims[2] + r)]));
+  return out;
+}
+
 template <typename Scalar>
 void check_model(const Model& m, double tolerance) {
   const std::string dir = model_dir(m.name);
@@ -147,6 +160,7 @@ void check_model(const Model& m, double tolerance) {
     AttentionOptions<Scalar> o = sdpa::load_hf_attention(att, dir + "/model.safetensors", layers[layer], m.layout);
     const std::string tag = "layer" + std::to_string(layer);
     const auto x = input<Scalar>(f, tag + ".prefill.input");
+    o.rotary_positions = positions(f, 0, x.dimension(1));
     if (m.layout == HfLayout::kBert) {
       // Trailing padding: a key length per sentence (every query row is computed, as transformers does).
       const sdpa_test::Array& mask = f.get("attention_mask");
@@ -166,6 +180,7 @@ void check_model(const Model& m, double tolerance) {
     EXPECT_LT(relative_error<Scalar>(att.step(x, cache, o), expected), tolerance) << "the prompt through step";
     for (Eigen::Index t = 0; t < steps; ++t) {
       const std::string s = tag + ".step" + std::to_string(t);
+      o.rotary_positions = positions(f, x.dimension(1) + t, x.dimension(1) + t + 1);
       EXPECT_LT(relative_error<Scalar>(att.step(input<Scalar>(f, s + ".input"), cache, o),
                                        sdpa_test::to_tensor<double, 3>(f, s + ".output")),
                 tolerance)

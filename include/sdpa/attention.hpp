@@ -167,6 +167,8 @@ void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>&
     if (!(std::isfinite(o.dropout) && o.dropout >= Scalar(0) && o.dropout <= Scalar(1)))
       throw_invalid(where, "dropout", "a finite probability in [0, 1]", o.dropout);
     if (o.rotary != nullptr) check_rotary(where, *o.rotary, c.d_k);
+    if (!o.rotary_positions.empty())
+      throw_invalid(where, "rotary_positions", "empty for sdpa::attention (a module's forward and step take them)", "given");
   }
 }
 

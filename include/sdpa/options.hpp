@@ -75,6 +75,13 @@ struct AttentionOptions {
   std::vector<Eigen::Index> cu_seqlens_q, cu_seqlens_k;
   bool packed() const noexcept { return !cu_seqlens_q.empty() || !cu_seqlens_k.empty(); }
 
+  // Rotary positions given by the caller, for a module's forward and KVCache step (MRoPE's three streams per
+  // token, Qwen2-VL): empty, each row turns at its own position (q' and k); else streams * batch * rows
+  // values, rows the call's key rows (a step's: its new tokens), stream st of key row r of batch entry b at
+  // [(st * batch + b) * rows + r]; a query row takes its key row's (q' = q + nk - nq; packed: within its
+  // sequence). streams is the module's rotary's (3 with an mrope_section, else 1).
+  std::vector<Eigen::Index> rotary_positions;
+
   // sdpa::attention only. A module's calls refuse values other than these defaults: the module has its
   // own (set_masked_rows, set_kernel, its dropout and train()/eval(), set_rotary), and its inputs have one
   // layout.

@@ -14,6 +14,11 @@
 // rotated with when they enter a cache: the keys of a prompt rotated short stay short when a later step
 // runs long, as in transformers' cache.
 //
+// Multimodal rotary (MRoPE, Qwen2-VL): mrope_section splits the dim/2 frequencies into sections, section i
+// turning with position stream i % 3 (temporal, height, width) of the token; the caller gives the three
+// positions per token (AttentionOptions::rotary_positions, apply_rotary_at). A token whose three positions
+// are equal (text) turns as the plain rotary does, which is what implicit positions give.
+//
 // Pair m of a head, angle = position * inv_freq[m], c = cos(angle) * attention_factor, s = sin(angle) *
 // attention_factor:
 //   half-split (interleaved = false; Llama, NeoX, rotate_half): x[m], x[m + dim/2]
@@ -44,6 +49,10 @@ struct Rotary {
   double attention_factor = 1;   // cos and sin multiplied by it (YaRN, LongRoPE)
   std::vector<double> long_inv_freq;  // LongRoPE: empty, or the dim/2 frequencies of calls past long_after
   Eigen::Index long_after = 0;        // LongRoPE: the largest position + 1 a call may reach with inv_freq
+  std::vector<Eigen::Index> mrope_section;  // MRoPE: empty, or frequency counts summing to dim/2
+
+  // Position streams a token has: 3 with an mrope_section (t, h, w), else 1.
+  Eigen::Index streams() const noexcept { return mrope_section.empty() ? 1 : 3; }
 
   // The features rotated in a head of d_k features.
   Eigen::Index rotated(Eigen::Index d_k) const noexcept { return dim == 0 ? d_k : dim; }
@@ -81,6 +90,14 @@ inline void check_rotary(const char* where, const Rotary& r, Eigen::Index d_k) {
   for (std::size_t i = 0; i < r.long_inv_freq.size(); ++i)
     if (!std::isfinite(r.long_inv_freq[i])) throw_invalid(where, concat("rotary.long_inv_freq[", i, "]"), "finite", r.long_inv_freq[i]);
   if (r.long_after < 0) throw_invalid(where, "rotary.long_after", "non-negative", r.long_after);
+  if (!r.mrope_section.empty()) {
+    Eigen::Index sum = 0;
+    for (std::size_t i = 0; i < r.mrope_section.size(); ++i) {
+      if (r.mrope_section[i] < 0) throw_invalid(where, concat("rotary.mrope_section[", i, "]"), "non-negative", r.mrope_section[i]);
+      sum += r.mrope_section[i];
+    }
+    if (sum != n / 2) throw_invalid(where, "rotary.mrope_section", concat("sections summing to dim / 2 = ", n / 2), concat("a sum of ", sum));
+  }
 }
 
 // The cosines and sines of one position for every pair, times the attention factor.
@@ -112,6 +129,47 @@ void apply_rotary(const Rotary& r, Scalar* x, Eigen::Index rows, Eigen::Index ro
   const Eigen::Index lo_stride = r.interleaved ? 2 : 1, hi_offset = r.interleaved ? 1 : half;
   for (Eigen::Index i = 0; i < rows; ++i) {
     detail::rotary_angles(inv_freq, r.attention_factor, first_position + i, c.data(), s.data());
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      Scalar* v = x + i * row_stride + h * head_stride;
+      for (Eigen::Index m = 0; m < half; ++m) {
+        Scalar& a = v[m * lo_stride];
+        Scalar& b = v[m * lo_stride + hi_offset];
+        const Scalar cm = c[static_cast<std::size_t>(m)];
+        const Scalar sm = inverse ? -s[static_cast<std::size_t>(m)] : s[static_cast<std::size_t>(m)];
+        const Scalar a0 = a, b0 = b;
+        a = a0 * cm - b0 * sm;
+        b = b0 * cm + a0 * sm;
+      }
+    }
+  }
+}
+
+// apply_rotary with positions given per row: row i of `x` turns frequency m at position
+// pos[stream(m) * stream_stride + i], stream(m) the position stream of m's MRoPE section (0 without one).
+// One call for LongRoPE (long when a position reaches past long_after).
+template <typename Scalar>
+void apply_rotary_at(const Rotary& r, Scalar* x, Eigen::Index rows, Eigen::Index row_stride, Eigen::Index heads,
+                     Eigen::Index head_stride, Eigen::Index d_k, const Eigen::Index* pos, Eigen::Index stream_stride,
+                     bool inverse = false) {
+  const Eigen::Index n = r.rotated(d_k), half = n / 2;
+  if (rows <= 0 || heads <= 0 || half == 0) return;
+  std::vector<Eigen::Index> stream(static_cast<std::size_t>(half), 0);
+  for (std::size_t i = 0, m = 0; i < r.mrope_section.size(); ++i)
+    for (Eigen::Index j = 0; j < r.mrope_section[i] && m < stream.size(); ++j) stream[m++] = static_cast<Eigen::Index>(i % 3);
+  Eigen::Index end = 0;
+  for (Eigen::Index st = 0; st < r.streams(); ++st)
+    for (Eigen::Index i = 0; i < rows; ++i) end = std::max(end, pos[st * stream_stride + i] + 1);
+  const bool long_call = !r.long_inv_freq.empty() && end > r.long_after;
+  const std::vector<double> freq = long_call ? r.long_inv_freq : r.frequencies(d_k);
+  std::vector<Scalar> c(static_cast<std::size_t>(half)), s(c.size());
+  const Eigen::Index lo_stride = r.interleaved ? 2 : 1, hi_offset = r.interleaved ? 1 : half;
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    for (Eigen::Index m = 0; m < half; ++m) {
+      const Scalar p = static_cast<Scalar>(pos[stream[static_cast<std::size_t>(m)] * stream_stride + i]);
+      const Scalar angle = p * static_cast<Scalar>(freq[static_cast<std::size_t>(m)]);  // rounded as the model's dtype
+      c[static_cast<std::size_t>(m)] = static_cast<Scalar>(std::cos(static_cast<double>(angle)) * r.attention_factor);
+      s[static_cast<std::size_t>(m)] = static_cast<Scalar>(std::sin(static_cast<double>(angle)) * r.attention_factor);
+    }
     for (Eigen::Index h = 0; h < heads; ++h) {
       Scalar* v = x + i * row_stride + h * head_stride;
       for (Eigen::Index m = 0; m < half; ++m) {

@@ -703,6 +703,26 @@ class ScaledDotProductAttention {
   void rotate_projected(Scalar* q, Index ldq, Scalar* k, Index ldk, Index batch, Index nq, Index nk,
                         const AttentionOptions<Scalar>& options, bool inverse = false) const {
     if (!has_rotary_) return;
+    if (!options.rotary_positions.empty()) {
+      // The caller's positions: of the key rows, the queries taking their key row's.
+      const Index* pos = options.rotary_positions.data();
+      const Index rows_k = batch * nk;
+      if (!options.packed()) {
+        for (Index b = 0; b < batch; ++b) {
+          if (k != nullptr) apply_rotary_at(rotary_, k + b * nk * ldk, nk, ldk, kv_heads_, d_k_, d_k_, pos + b * nk, rows_k, inverse);
+          if (q != nullptr)
+            apply_rotary_at(rotary_, q + b * nq * ldq, nq, ldq, h_, d_k_, d_k_, pos + b * nk + (nk - nq), rows_k, inverse);
+        }
+        return;
+      }
+      if (k != nullptr) apply_rotary_at(rotary_, k, nk, ldk, kv_heads_, d_k_, d_k_, pos, rows_k, inverse);
+      const std::vector<Index>&cq = options.cu_seqlens_q, &ck = options.cu_seqlens_k;
+      for (std::size_t i = 0; q != nullptr && i + 1 < cq.size(); ++i) {
+        const Index n = cq[i + 1] - cq[i], first = ck[i + 1] - n;  // the sequence's last n key rows
+        if (n > 0) apply_rotary_at(rotary_, q + cq[i] * ldq, n, ldq, h_, d_k_, d_k_, pos + first, rows_k, inverse);
+      }
+      return;
+    }
     if (!options.packed()) {
       rotate(q, batch, nq * ldq, nq, ldq, h_, nk - nq, inverse);
       rotate(k, batch, nk * ldk, nk, ldk, kv_heads_, 0, inverse);
@@ -712,6 +732,22 @@ class ScaledDotProductAttention {
                         &options.cu_seqlens_k, inverse);
     detail::rotate_rows(rotary_, kernels::Heads<Scalar>{k, 0, ldk, d_k_}, 1, nk, kv_heads_, d_k_, Index{0},
                         &options.cu_seqlens_k, static_cast<const std::vector<Index>*>(nullptr), inverse);
+  }
+
+  // The caller's rotary positions (options.rotary_positions) for `rows` key rows of `batch` entries: their
+  // count, and a rotary to turn them (where: the function called).
+  void check_rotary_positions(const char* where, const AttentionOptions<Scalar>& options, Index batch, Index rows) const {
+    if (options.rotary_positions.empty()) return;
+    if (!has_rotary_)
+      detail::throw_invalid(where, "rotary_positions", "empty for a module without a rotary (set_rotary)", "given");
+    const Index want = rotary_.streams() * batch * rows;
+    if (static_cast<Index>(options.rotary_positions.size()) != want)
+      detail::throw_invalid(where, "rotary_positions",
+                            detail::concat(want, " values (", rotary_.streams(), " streams x batch ", batch, " x ", rows, " rows)"),
+                            detail::concat(options.rotary_positions.size(), " values"));
+    for (std::size_t i = 0; i < options.rotary_positions.size(); ++i)
+      if (options.rotary_positions[i] < 0)
+        detail::throw_invalid(where, detail::concat("rotary_positions[", i, "]"), "non-negative", options.rotary_positions[i]);
   }
 
   // QK-norm of query (or key) rows: n rows per batch entry (batch_stride apart, row stride ld).
@@ -727,10 +763,17 @@ class ScaledDotProductAttention {
 
   // Everything between the projection and the scores for query (or key) rows laid out as rotate's, the
   // first at position `first`: norm, rotary, norm after it, temperature (head_norm.hpp's order).
-  void transform(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, bool query, Index first) const {
+  // pos: the caller's positions of these rows (batch entry b's at pos + b * n, streams pos_stride apart), or
+  // nullptr for first + i.
+  void transform(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, bool query, Index first,
+                 const Index* pos = nullptr, Index pos_stride = 0) const {
     if (x == nullptr) return;
     if (has_qk_norm() && !qk_norm_.after_rotary) norm_rows(x, batch, batch_stride, n, ld, query);
-    rotate(x, batch, batch_stride, n, ld, query ? h_ : kv_heads_, first);
+    if (pos != nullptr && has_rotary_)
+      for (Index b = 0; b < batch; ++b)
+        apply_rotary_at(rotary_, x + b * batch_stride, n, ld, query ? h_ : kv_heads_, d_k_, d_k_, pos + b * n, pos_stride);
+    else
+      rotate(x, batch, batch_stride, n, ld, query ? h_ : kv_heads_, first);
     if (has_qk_norm() && qk_norm_.after_rotary) norm_rows(x, batch, batch_stride, n, ld, query);
     if (query && has_temperature_)
       for (Index b = 0; b < batch; ++b) detail::temper_rows(temperature_, x + b * batch_stride, n, ld, h_ * d_k_, first);
@@ -851,6 +894,7 @@ class ScaledDotProductAttention {
     const Index batch = qv.dims()[0], nq = qv.dims()[1], nk = kv.dims()[1];
     const detail::CallShape shape = call_shape("ScaledDotProductAttention::forward", batch, nq, nk);
     detail::check_attention_options(shape, options, /*module_call=*/true);
+    check_rotary_positions(shape.where, options, batch, nk);
     detail::check_compute<Scalar>(shape.where, compute_, kernel_, /*keeps_state=*/capture != nullptr);
     const Eigen::ThreadPoolDevice* device = options.device;
 
@@ -1179,7 +1223,7 @@ class ScaledDotProductAttention {
   // h * d_k) when given (then kv is the step's input x, whose keys and values are itself). With a rotary the
   // new keys, and the queries, are rotated at their absolute positions position() .. position() + n - 1.
   void project_into_cache(const View& kv, const View& vv, KVCache<Scalar>& cache, const Eigen::ThreadPoolDevice* device,
-                          Scalar* q_out) const {
+                          Scalar* q_out, const Index* pos = nullptr) const {
     using Target = kernels::ProjectionTarget<Scalar>;
     const Index batch = cache.batch(), n = kv.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
     const Index at = cache.size_;
@@ -1196,7 +1240,7 @@ class ScaledDotProductAttention {
       return;
     }
     if (cache.narrow()) {
-      project_into_narrow_cache(kv, vv, kv_same, cache, device, q_out);
+      project_into_narrow_cache(kv, vv, kv_same, cache, device, q_out, pos);
       cache.size_ += n;
       cache.position_ += n;
       return;
@@ -1226,8 +1270,8 @@ class ScaledDotProductAttention {
                                         {target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0)}, device);
       }
     }
-    transform(cache.key_rows(0) + at * hk, batch, cache.capacity_ * hk, n, hk, false, cache.position_);
-    transform(q_out, batch, n * hq, n, hq, true, cache.position_);
+    transform(cache.key_rows(0) + at * hk, batch, cache.capacity_ * hk, n, hk, false, cache.position_, pos, batch * n);
+    transform(q_out, batch, n * hq, n, hq, true, cache.position_, pos, batch * n);
     cache.size_ += n;
     cache.position_ += n;
   }
@@ -1236,7 +1280,7 @@ class ScaledDotProductAttention {
   // projected (and keys rotated) in Scalar into the cache's stage, rows of at most kStageRows tokens at a
   // time, then converted into place. Queries go to q_out as for any cache.
   void project_into_narrow_cache(const View& kv, const View& vv, bool kv_same, KVCache<Scalar>& cache,
-                                 const Eigen::ThreadPoolDevice* device, Scalar* q_out) const {
+                                 const Eigen::ThreadPoolDevice* device, Scalar* q_out, const Index* pos = nullptr) const {
     using Target = kernels::ProjectionTarget<Scalar>;
     constexpr Index kStageRows = 256;
     const Index batch = cache.batch(), n = kv.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
@@ -1256,8 +1300,8 @@ class ScaledDotProductAttention {
         const Target tv = target(fc_v_, sv, hv);
         kernels::project_few_rows<Scalar>(vv.data(), batch * n, d_model_, d_model_, &tv, 1, device);
       }
-      transform(sk, batch, n * hk, n, hk, false, cache.position_);
-      transform(q_out, batch, n * hq, n, hq, true, cache.position_);
+      transform(sk, batch, n * hk, n, hk, false, cache.position_, pos, batch * n);
+      transform(q_out, batch, n * hq, n, hq, true, cache.position_, pos, batch * n);
       for (Index b = 0; b < batch; ++b) {
         cache.put_rows(false, b, at, sk + b * n * hk, hk, n);
         cache.put_rows(true, b, at, sv + b * n * hv, hv, n);
@@ -1276,12 +1320,12 @@ class ScaledDotProductAttention {
         if (kv_same) targets.push_back(target(fc_v_, sv, hv));
         kernels::project_rows<Scalar>(kv.data() + (b * n + r0) * d_model_, m, d_model_, targets, device);
         if (!kv_same) kernels::project_rows<Scalar>(vv.data() + (b * n + r0) * d_model_, m, d_model_, {target(fc_v_, sv, hv)}, device);
-        transform(sk, 1, 0, m, hk, false, cache.position_ + r0);
+        transform(sk, 1, 0, m, hk, false, cache.position_ + r0, pos == nullptr ? nullptr : pos + b * n + r0, batch * n);
         cache.put_rows(false, b, at + r0, sk, hk, m);
         cache.put_rows(true, b, at + r0, sv, hv, m);
       }
     }
-    transform(q_out, batch, n * hq, n, hq, true, cache.position_);
+    transform(q_out, batch, n * hq, n, hq, true, cache.position_, pos, batch * n);
   }
 
   // The attention of projected (and rotated) queries q (batch, nq, h * d_k) to the cache's entries, then
@@ -1339,6 +1383,8 @@ class ScaledDotProductAttention {
     const Index batch = cache.batch(), nq = q.dims()[1], hq = h_ * d_k_;
     check_output({batch, nq, d_model_}, out_dims, where);
     check_decoding_options(cache, options, nq, cache.size(), cache.position(), where);
+    if (!options.rotary_positions.empty())
+      detail::throw_invalid(where, "rotary_positions", "empty for attend (step takes them with the tokens it appends)", "given");
     if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, cache.size());
     if (batch * nq == 0) return;
     detail::Buffer<Scalar> qbuf(static_cast<std::size_t>(batch * nq * hq));
@@ -1360,12 +1406,13 @@ class ScaledDotProductAttention {
     check_output({batch, n, d_model_}, out_dims, where);
     // Checked against the cache as it will be after the append, before anything is appended.
     check_decoding_options(cache, options, n, cache.size() + n, cache.position() + n, where);
+    check_rotary_positions(where, options, batch, n);
     if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, n, cache.size() + n);
     if (n == 0 || batch == 0) return;
     cache.make_room(n);
     Scalar* q = cache.scratch(cache.q_scratch_, batch * n * h_ * d_k_);
     Scalar* att = cache.scratch(cache.att_scratch_, batch * n * h_ * d_v_ * (gated_ ? 2 : 1));  // and the gate's
-    project_into_cache(x, x, cache, options.device, q);
+    project_into_cache(x, x, cache, options.device, q, options.rotary_positions.empty() ? nullptr : options.rotary_positions.data());
     attend_projected(q, n, cache, options, /*causal=*/true, att, cache.decode_, out, where, x.data());
     // A sliding window: no later query sees the entries before position() - window_left. Once they are
     // half of what is held they are dropped (a rolling buffer: memory stays O(window + chunk), and each
@@ -1405,6 +1452,7 @@ class ScaledDotProductAttention {
                               : !options.key_lengths.empty()         ? "key_lengths"
                               : options.probabilities != nullptr     ? "probabilities"
                               : options.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
+                              : !options.rotary_positions.empty()    ? "rotary_positions"
                                                                      : nullptr;
     if (unsupported != nullptr)
       detail::throw_invalid(where, unsupported, "unset for a PagedKVCache step (its sequences are ragged)", "set");

@@ -48,7 +48,7 @@
 
 SDPA_NAMESPACE_BEGIN
 
-enum class HfLayout { kBert, kGpt2, kLlama, kMistral, kQwen2, kGemma2, kGptOss, kQwen3, kOlmo2, kGemma3, kQwen3Next, kLlama4, kPhi3 };
+enum class HfLayout { kBert, kGpt2, kLlama, kMistral, kQwen2, kGemma2, kGptOss, kQwen3, kOlmo2, kGemma3, kQwen3Next, kLlama4, kPhi3, kQwen2Vl };
 
 inline const char* hf_layout_name(HfLayout l) noexcept {
   switch (l) {
@@ -64,6 +64,7 @@ inline const char* hf_layout_name(HfLayout l) noexcept {
     case HfLayout::kGemma3: return "gemma3_text";
     case HfLayout::kQwen3Next: return "qwen3_next";
     case HfLayout::kPhi3: return "phi3";
+    case HfLayout::kQwen2Vl: return "qwen2_vl";
     default: return "llama4_text";
   }
 }
@@ -223,7 +224,8 @@ inline Rotary rope_of(const nlohmann::json& j, const nlohmann::json& rope, const
   const double theta = number(rope, c.path, "rope_theta", number(j, c.path, "rope_theta", 10000.0));
   const double partial = number(rope, c.path, "partial_rotary_factor", number(j, c.path, "partial_rotary_factor", 1.0));
   const Eigen::Index dim = static_cast<Eigen::Index>(static_cast<double>(c.head_dim) * partial);
-  const std::string type = text(rope, c.path, "rope_type", text(rope, c.path, "type", "default"));
+  std::string type = text(rope, c.path, "rope_type", text(rope, c.path, "type", "default"));
+  if (type == "mrope") type = "default";  // Qwen2-VL's transformers 4 configs: default frequencies, sections below
   const Eigen::Index max_positions = integer(j, c.path, "max_position_embeddings", false, 2048);
   const Eigen::Index original = integer(rope, c.path, "original_max_position_embeddings", false,
                                        integer(j, c.path, "original_max_position_embeddings", false, max_positions));
@@ -268,6 +270,21 @@ inline Rotary rope_of(const nlohmann::json& j, const nlohmann::json& rope, const
   } else {
     fail(c.path, "rope_type \"" + type + "\" is not one sdpa implements (default, linear, llama3, yarn, longrope)");
   }
+  // Qwen2-VL's multimodal sections (frequencies per position stream t, h, w).
+  const auto sections = rope.find("mrope_section");
+  if (sections != rope.end() && !sections->is_null()) {
+    if (!sections->is_array()) fail(c.path, "config.json \"mrope_section\" must be a list of integers, but is " + sections->dump());
+    Eigen::Index sum = 0;
+    for (const auto& v : *sections) {
+      if (!v.is_number_integer() || v.get<long long>() < 0)
+        fail(c.path, "config.json \"mrope_section\" must be a list of non-negative integers, but holds " + v.dump());
+      r.mrope_section.push_back(static_cast<Eigen::Index>(v.get<long long>()));
+      sum += r.mrope_section.back();
+    }
+    if (sum != dim / 2)
+      fail(c.path, "config.json \"mrope_section\" must sum to the rotated features / 2 = " + std::to_string(dim / 2) + ", but sums to " +
+                       std::to_string(sum));
+  }
   return r;
 }
 
@@ -301,7 +318,9 @@ inline HfLayout hf_layout_of(const std::string& model_type, const std::string& p
       {"mistral", HfLayout::kMistral},     {"qwen2", HfLayout::kQwen2},         {"gemma2", HfLayout::kGemma2},
       {"gpt_oss", HfLayout::kGptOss},      {"qwen3", HfLayout::kQwen3},         {"olmo2", HfLayout::kOlmo2},
       {"gemma3", HfLayout::kGemma3},       {"gemma3_text", HfLayout::kGemma3},  {"qwen3_next", HfLayout::kQwen3Next},
-      {"llama4", HfLayout::kLlama4},       {"llama4_text", HfLayout::kLlama4},  {"phi3", HfLayout::kPhi3}};
+      {"llama4", HfLayout::kLlama4},       {"llama4_text", HfLayout::kLlama4},  {"phi3", HfLayout::kPhi3},
+      {"qwen2_vl", HfLayout::kQwen2Vl},    {"qwen2_vl_text", HfLayout::kQwen2Vl},
+      {"qwen2_5_vl", HfLayout::kQwen2Vl},  {"qwen2_5_vl_text", HfLayout::kQwen2Vl}};
   for (const auto& [name, layout] : known)
     if (model_type == name) return layout;
   std::string names;
@@ -315,7 +334,7 @@ inline HfAttentionConfig read_hf_config(const std::string& path, HfLayout layout
   nlohmann::json j = hf::read_json(path);
   if (!j.is_object()) hf::fail(path, "config.json is not a JSON object");
   // The multimodal models' text part (transformers 5 nests it; flat configs have none).
-  if ((layout == HfLayout::kGemma3 || layout == HfLayout::kLlama4) && j.contains("text_config") && !j["text_config"].is_null()) {
+  if ((layout == HfLayout::kGemma3 || layout == HfLayout::kLlama4 || layout == HfLayout::kQwen2Vl) && j.contains("text_config") && !j["text_config"].is_null()) {
     const nlohmann::json text = hf::object(j, path, "text_config");
     j = text;
   }
@@ -346,7 +365,8 @@ inline HfAttentionConfig read_hf_config(const std::string& path, HfLayout layout
   if (layout == HfLayout::kLlama4) c.rotary.interleaved = true;  // complex pairs (2m, 2m + 1), as Meta's checkpoints
   c.attention_bias = hf::boolean(j, path, "attention_bias", layout == HfLayout::kGptOss);
   // Qwen2 and Qwen3 have a sliding_window that only applies with use_sliding_window.
-  if ((layout != HfLayout::kQwen2 && layout != HfLayout::kQwen3) || hf::boolean(j, path, "use_sliding_window", false))
+  const bool qwen = layout == HfLayout::kQwen2 || layout == HfLayout::kQwen3 || layout == HfLayout::kQwen2Vl;
+  if (!qwen || hf::boolean(j, path, "use_sliding_window", false))
     c.sliding_window = hf::integer(j, path, "sliding_window", false, -1);
   c.layer_types = hf::texts(j, path, "layer_types");
   const char* other_type = layout == HfLayout::kLlama4 ? "chunked_attention" : layout == HfLayout::kQwen3Next ? "linear_attention" : "sliding_attention";
@@ -559,7 +579,7 @@ AttentionOptions<Scalar> load_hf_attention(ScaledDotProductAttention<Scalar>& mo
       wv = hf::tensor<Scalar>(f, prefix + "v_proj.weight", {hk, d});
     }
     wo = hf::tensor<Scalar>(f, prefix + "o_proj.weight", {d, hq});
-    const bool qkv_bias = c.attention_bias || layout == HfLayout::kQwen2;
+    const bool qkv_bias = c.attention_bias || layout == HfLayout::kQwen2 || layout == HfLayout::kQwen2Vl;
     if (qkv_bias && !c.output_gate) bq = hf::tensor<Scalar>(f, prefix + "q_proj.bias", {hq});
     if (qkv_bias) {
       bk = hf::tensor<Scalar>(f, prefix + "k_proj.bias", {hk});
