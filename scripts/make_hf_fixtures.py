@@ -70,7 +70,19 @@ def new_decoders():
                               Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
     from transformers import Phi3Config, Phi3ForCausalLM
     common = dict(COMMON)
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    mla = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, n_routed_experts=2,
+               n_shared_experts=1, num_experts_per_tok=1, first_k_dense_replace=2, kv_lora_rank=16, qk_rope_head_dim=8,
+               qk_nope_head_dim=12, v_head_dim=10, n_group=1, topk_group=1,
+               rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0})
     return {
+        # Multi-head latent attention: query compression on (q_lora_rank 24) and off; v_head_dim != nope;
+        # YaRN whose mscale_all_dim scales the softmax.
+        "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(**mla, q_lora_rank=24)),
+        "deepseek_v3_no_q_lora": (DeepseekV3ForCausalLM, DeepseekV3Config(**mla, q_lora_rank=None)),
+        "deepseek_v2": (DeepseekV2ForCausalLM, DeepseekV2Config(**dict(mla, first_k_dense_replace=2), q_lora_rank=24)),
         # LongRoPE on 12 of 16 features (partial_rotary_factor 0.75), pretrained length 8: the prompt of 7
         # rotates short, the steps from position 8 on long (the prompt's cached keys stay short).
         "phi3": (Phi3ForCausalLM, Phi3Config(**common, num_key_value_heads=2, original_max_position_embeddings=8,

