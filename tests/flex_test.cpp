@@ -880,4 +880,39 @@ TEST(FlexRefusals, NameWhatIsWrong) {
   EXPECT_EQ(cache.position(), 5);
 }
 
+// keep_from(p) is sound (no query at p or later sees a key before it) and, for chunks and causal windows,
+// tight; through a program it lets a decoding cache drop what no later query sees, with the same outputs.
+TEST(FlexKeepFrom, ChunksAndWindowsDropWhatNoLaterQuerySees) {
+  const flex::chunked chunk{5};
+  const flex::sliding_window window{3, 0};
+  const auto both = flex::and_masks(flex::causal{}, flex::sliding_window{6, -1});
+  for (Index p = 0; p < 40; ++p) {
+    for (Index q = p; q < p + 30; ++q)
+      for (Index k = 0; k < q + 1; ++k) {
+        if (chunk(0, 0, q, k)) EXPECT_GE(k, chunk.keep_from(p));
+        if (window(0, 0, q, k)) EXPECT_GE(k, window.keep_from(p));
+        if (both(0, 0, q, k)) EXPECT_GE(k, both.keep_from(p));
+      }
+    EXPECT_TRUE(chunk(0, 0, p, chunk.keep_from(p)));
+    EXPECT_TRUE(window(0, 0, p, window.keep_from(p)));
+  }
+  Module m(16, 4, 4, 2, 0.0, 1);
+  m.eval();
+  T3 x(1, 23, 16);
+  for (Index i = 0; i < x.size(); ++i) x.data()[i] = std::sin(0.3 * static_cast<double>(i));
+  sdpa::AttentionOptions<double> o;
+  o.program = flex::program<double>(flex::noop_score{}, flex::chunked{5});
+  o.causal = true;
+  const T3 full = m(x, x, x, o);
+  sdpa::KVCache<double> cache(m, 1);
+  for (Index t = 0; t < 23; ++t) {
+    const T3 xt = x.slice(std::array<Index, 3>{0, t, 0}, std::array<Index, 3>{1, 1, 16});
+    const T3 y = m.step(xt, cache, o);
+    for (Index c = 0; c < 16; ++c) EXPECT_NEAR(y(0, 0, c), full(0, t, c), 1e-14);
+    EXPECT_LE(cache.size(), 10);  // the current chunk, and at most as many older entries again
+  }
+  EXPECT_EQ(cache.position(), 23);
+  EXPECT_GT(cache.first_position(), 0);
+}
+
 }  // namespace flex_test

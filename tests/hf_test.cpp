@@ -186,6 +186,11 @@ void check_model(const Model& m, double tolerance) {
                 tolerance)
           << "step " << t;
     }
+    if (m.layout == HfLayout::kLlama4 && o.program != nullptr) {
+      // Chunks of 4: the cache keeps the current chunk (and at most as many older entries again).
+      EXPECT_GT(cache.first_position(), 0);
+      EXPECT_LE(cache.size(), 8);
+    }
   }
 }
 

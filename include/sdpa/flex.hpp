@@ -83,6 +83,18 @@ struct has_narrow<T, std::void_t<decltype(std::declval<const T&>().narrow(Index{
                                                                           std::declval<Index&>()))>> : std::true_type {};
 
 // A mask function's interval (narrow below), or none: [lo, hi) left as it is, not exact.
+template <typename T, typename = void>
+struct has_keep_from : std::false_type {};
+template <typename T>
+struct has_keep_from<T, std::void_t<decltype(std::declval<const T&>().keep_from(Index{}))>> : std::true_type {};
+
+// A mask's keep_from(p): the first key any query at p or later sees (0: unknown).
+template <typename Mask>
+Index keep_from(const Mask& m, Index p) noexcept {
+  if constexpr (has_keep_from<Mask>::value) return m.keep_from(p);
+  else return 0;
+}
+
 template <typename Mask>
 bool narrow(const Mask& m, Index b, Index h, Index q, Index& lo, Index& hi) noexcept {
   if constexpr (has_narrow<Mask>::value) return m.narrow(b, h, q, lo, hi);
@@ -159,6 +171,7 @@ struct causal {
 // q - left <= k <= q + right; a negative side is unbounded (sliding_window{W - 1, 0}: a causal window of W).
 struct sliding_window {
   Index left = -1, right = -1;
+  Index keep_from(Index p) const noexcept { return left >= 0 ? std::max<Index>(0, p - left) : 0; }
   bool operator()(Index, Index, Index q, Index k) const noexcept {
     return (left < 0 || k >= q - left) && (right < 0 || k <= q + right);
   }
@@ -180,6 +193,7 @@ struct sliding_window {
 // Llama 4's chunked attention (attention_chunk_size): causal and in the query's chunk of `size` positions.
 struct chunked {
   Index size = 1;
+  Index keep_from(Index p) const noexcept { return std::max<Index>(0, floor_div(p) * size); }
   bool operator()(Index, Index, Index q, Index k) const noexcept { return k <= q && floor_div(k) == floor_div(q); }
   bool narrow(Index, Index, Index q, Index& lo, Index& hi) const noexcept {
     lo = std::max(lo, floor_div(q) * size);
@@ -401,6 +415,11 @@ template <typename A, typename B, bool kAnd>
 struct combined_mask {
   A a;
   B b;
+  // and: the later of the two; or: the earlier.
+  Index keep_from(Index p) const noexcept {
+    const Index x = detail::keep_from(a, p), y = detail::keep_from(b, p);
+    return kAnd ? std::max(x, y) : std::min(x, y);
+  }
   bool operator()(Index bb, Index h, Index q, Index k) const noexcept {
     return kAnd ? (a(bb, h, q, k) && b(bb, h, q, k)) : (a(bb, h, q, k) || b(bb, h, q, k));
   }
@@ -611,6 +630,7 @@ class FlexProgram final : public ScoreProgram<Scalar> {
   Index table_size(Index i) const noexcept { return tables_[static_cast<std::size_t>(i)]->size(); }
 
   bool has_plan() const override { return plan_ != nullptr; }
+  Index keep_from(Index position) const override { return kMask ? detail::keep_from(visible_, position) : 0; }
   Index table_count() const override { return static_cast<Index>(tables_.size()); }
   std::array<Index, 2> table_dims(Index i) const override {
     const ScoreTable<Scalar>& t = *tables_[static_cast<std::size_t>(i)];

@@ -1210,6 +1210,8 @@ class ScaledDotProductAttention {
   // of nq queries (the last nq of `position` positions) sees keys from position - nq - window_left on.
   static void check_dropped(Index first, Index position, const AttentionOptions<Scalar>& o, Index nq, const char* where) {
     if (first == 0) return;
+    // A score program that says what its first query sees (Llama 4's chunks) may have let the cache drop.
+    if (o.program != nullptr && o.program->keep_from(position - nq) >= first) return;
     const bool windowed = o.window_left >= 0;
     if (!windowed || position - nq - o.window_left < first)
       detail::throw_invalid(where, "window_left",
@@ -1417,10 +1419,12 @@ class ScaledDotProductAttention {
     // A sliding window: no later query sees the entries before position() - window_left. Once they are
     // half of what is held they are dropped (a rolling buffer: memory stays O(window + chunk), and each
     // entry is moved O(1) times on average).
-    if (options.window_left >= 0) {
-      const Index droppable = cache.position() - options.window_left - cache.first_position();
-      if (droppable > 0 && 2 * droppable >= cache.size()) cache.drop_front(droppable);
-    }
+    // Likewise the keys before what a score program's next query can see (Llama 4's chunks: the cache keeps
+    // the current chunk).
+    Index keep = options.window_left >= 0 ? cache.position() - options.window_left : 0;
+    if (options.program != nullptr) keep = std::max(keep, options.program->keep_from(cache.position()));
+    const Index droppable = keep - cache.first_position();
+    if (droppable > 0 && 2 * droppable >= cache.size()) cache.drop_front(droppable);
   }
 
   // step on a PagedKVCache (see there).

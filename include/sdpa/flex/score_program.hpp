@@ -44,6 +44,10 @@ class ScoreProgram {
   // The ScoreTables the score function reads, in the order of their gradients: each one's (rows, cols).
   virtual Index table_count() const = 0;
   virtual std::array<Index, 2> table_dims(Index i) const = 0;
+  // The first key position any query at `position` or later can see, for every batch entry and head (a
+  // mask function's keep_from: Llama 4's chunks, a causal window); a decoding cache may drop the keys before
+  // it. 0: the program cannot say, nothing is dropped.
+  virtual Index keep_from(Index /*position*/) const { return 0; }
 };
 
 SDPA_NAMESPACE_END
