@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "sdpa/kv_cache.hpp"
+#include "sdpa/latent_attention.hpp"
 #include "sdpa/paged_kv_cache.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
 
@@ -515,6 +516,52 @@ TEST(HeadNorm, RefusesWhatDoesNotFitNamingIt) {
             std::string::npos);
   EXPECT_EQ(m.qk_norm(), nullptr);  // refused: nothing changed
   EXPECT_EQ(m.query_temperature(), nullptr);
+}
+
+// Latent attention with more heads than the decoding kernel's rows: the absorbed form runs the heads as the
+// rows of one tiled product (one block of rows per worker); it equals the expanded forward, on one thread
+// and two, from a Scalar cache and (float) a bf16 one.
+template <typename T>
+void latent_heads_as_rows() {
+  sdpa::LatentConfig c;
+  c.d_model = 32;
+  c.heads = 24;
+  c.kv_lora_rank = 16;
+  c.qk_nope_head_dim = 8;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 6;
+  sdpa::LatentAttention<T> m(c, 3);
+  std::mt19937 gen(4);
+  for (auto& p : m.named_parameters())
+    for (Index i = 0; i < p.size(); ++i) p.data[i] = static_cast<T>(std::uniform_real_distribution<double>(-0.5, 0.5)(gen));
+  Tensor3<T> x(2, 9, 32);
+  for (Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<T>(std::uniform_real_distribution<double>(-1, 1)(gen));
+  sdpa::AttentionOptions<T> causal;
+  causal.causal = true;
+  const Tensor3<T> y = m.forward(x, causal);
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice two(&pool, 2);
+  std::vector<sdpa::Storage> storages{sdpa::native_storage<T>()};
+  if (std::is_same<T, float>::value) storages.push_back(sdpa::Storage::kBFloat16);
+  for (const sdpa::Storage storage : storages)
+    for (const Eigen::ThreadPoolDevice* device : {static_cast<const Eigen::ThreadPoolDevice*>(nullptr),
+                                                  static_cast<const Eigen::ThreadPoolDevice*>(&two)}) {
+      SCOPED_TRACE(std::string(sdpa::storage_name(storage)) + (device != nullptr ? ", 2 threads" : ", 1 thread"));
+      const double tol = storage != sdpa::native_storage<T>() ? 3e-2 : std::is_same<T, float>::value ? 2e-5 : 1e-12;
+      sdpa::LatentCache<T> cache(m, 2, 0, storage);
+      Index at = 0;
+      for (const Index chunk : {Index(3), Index(1), Index(5)}) {
+        const Tensor3<T> part = x.slice(std::array<Index, 3>{0, at, 0}, std::array<Index, 3>{2, chunk, 32});
+        const Tensor3<T> want = y.slice(std::array<Index, 3>{0, at, 0}, std::array<Index, 3>{2, chunk, 32});
+        EXPECT_LT(max_error(m.step(part, cache, device), want), tol) << "step at " << at;
+        at += chunk;
+      }
+    }
+}
+
+TEST(LatentAttention, HeadsAsRowsOfOneProductEqualTheForward) {
+  latent_heads_as_rows<float>();
+  latent_heads_as_rows<double>();
 }
 
 }  // namespace head_norm_test

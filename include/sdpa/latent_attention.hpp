@@ -39,7 +39,9 @@
 #include "sdpa/head_norm.hpp"
 #include "sdpa/init.hpp"
 #include "sdpa/kernels/decode.hpp"
+#include "sdpa/kernels/tiled.hpp"
 #include "sdpa/linear.hpp"
+#include "sdpa/parallel.hpp"
 #include "sdpa/parameter.hpp"
 #include "sdpa/random.hpp"
 #include "sdpa/rotary.hpp"
@@ -71,6 +73,8 @@ inline std::uint64_t next_latent_id() noexcept {
 // A step of at most this many tokens per sequence runs the absorbed form; longer ones (a prompt) the
 // expanded one.
 constexpr Eigen::Index kLatentAbsorbRows = 16;
+// The key blocks of the absorbed form's tiled products (heads as the rows of one product).
+constexpr Eigen::Index kLatentBlockK = 128;
 
 template <typename Scalar>
 class LatentAttention;
@@ -98,6 +102,17 @@ class LatentCache {
            (storage_ == Storage::kInt8 ? static_cast<std::size_t>(batch_ * size_) * sizeof(float) : 0);
   }
   void clear() noexcept { size_ = 0; }
+  // Appends latents (batch, n, kv_lora + rope) as a step would have made them (c normalised, k_rope rotated
+  // at their positions): a cache restored or shared. Refused (std::invalid_argument) when the shape differs.
+  void append(const Tensor3& latents) {
+    if (latents.dimension(0) != batch_ || latents.dimension(2) != width_)
+      detail::throw_invalid("LatentCache::append", "latents", detail::concat("of shape (", batch_, ", n, ", width_, ")"),
+                            detail::concat("of shape ", detail::shape_string(latents.dimensions())));
+    const Index n = latents.dimension(1);
+    make_room(n);
+    for (Index b = 0; b < batch_; ++b) put_rows(b, size_, latents.data() + b * n * width_, width_, n);
+    size_ += n;
+  }
   // The held latents as Scalar: (batch, size, kv_lora + rope), c then the rotated k_rope.
   Tensor3 held() const {
     Tensor3 out(batch_, size_, width_);
@@ -280,6 +295,20 @@ class LatentAttention {
   // to rounding). Returns (batch, n, d_model).
   Tensor3 step(const Tensor3& x, LatentCache<Scalar>& cache, const Eigen::ThreadPoolDevice* device = nullptr) const;
 
+  // The absorbed attention of projected, rotated queries q (cache.batch(), n, heads * (nope + rope)), the last
+  // n positions of the cache, to everything it holds (causal): each head's output before o_proj, (batch, n,
+  // heads * v_head_dim). What step runs for a short step, without the projections.
+  Tensor3 attend(const Tensor3& q, const LatentCache<Scalar>& cache, const Eigen::ThreadPoolDevice* device = nullptr) const {
+    const char* where = "LatentAttention::attend";
+    if (q.dimension(0) != cache.batch() || q.dimension(2) != c_.heads * qk() || q.dimension(1) > cache.size())
+      detail::throw_invalid(where, "q", detail::concat("of shape (", cache.batch(), ", n <= ", cache.size(), ", ", c_.heads * qk(), ")"),
+                            detail::concat("of shape ", detail::shape_string(q.dimensions())));
+    check_cache(cache, where);
+    Tensor3 att(q.dimension(0), q.dimension(1), c_.heads * c_.v_head_dim);
+    if (att.size() > 0) absorbed(q.data(), q.dimension(0), q.dimension(1), cache, att.data(), device, where);
+    return att;
+  }
+
  private:
   static LatentConfig checked(const LatentConfig& c) {
     const char* where = "LatentAttention";
@@ -297,6 +326,18 @@ class LatentAttention {
     if (!(std::isfinite(c.norm_eps) && c.norm_eps > 0)) detail::throw_invalid(where, "norm_eps", "finite and positive", c.norm_eps);
     return c;
   }
+
+  void check_cache(const LatentCache<Scalar>& cache, const char* where) const {
+    if (cache.width() != latent_width() || cache.kv_lora_rank() != c_.kv_lora_rank)
+      detail::throw_invalid(where, "cache", detail::concat("a cache of latents of ", c_.kv_lora_rank, " + ", c_.qk_rope_head_dim),
+                            detail::concat("one of ", cache.kv_lora_rank(), " + ", cache.width() - cache.kv_lora_rank()));
+  }
+
+  // The absorbed form: q_lat = W_UK^T q_nope per head, beside q_rope; multi-query attention over the latents
+  // (d_k = kv_lora + rope, d_v = kv_lora) for the last n positions; then W_UV per head into att (rows of
+  // heads * v_head_dim).
+  void absorbed(const Scalar* q, Index batch, Index n, const LatentCache<Scalar>& cache, Scalar* att,
+                const Eigen::ThreadPoolDevice* device, const char* where) const;
 
   std::vector<LinearType*> layers() { return {&q_proj_, &q_a_proj_, &q_b_proj_, &kv_a_proj_, &kv_b_proj_, &o_proj_}; }
 
@@ -412,11 +453,9 @@ typename LatentAttention<Scalar>::Tensor3 LatentAttention<Scalar>::step(const Te
                                                                         const Eigen::ThreadPoolDevice* device) const {
   const char* where = "LatentAttention::step";
   check_input(x, where, cache.batch());
-  if (cache.width() != latent_width() || cache.kv_lora_rank() != c_.kv_lora_rank)
-    detail::throw_invalid(where, "cache", detail::concat("a cache of latents of ", c_.kv_lora_rank, " + ", c_.qk_rope_head_dim),
-                          detail::concat("one of ", cache.kv_lora_rank(), " + ", cache.width() - cache.kv_lora_rank()));
+  check_cache(cache, where);
   const Index batch = x.dimension(0), n = x.dimension(1), rows = batch * n, h = c_.heads, w = latent_width();
-  const Index nope = c_.qk_nope_head_dim, rope = c_.qk_rope_head_dim, dv = c_.v_head_dim, L = c_.kv_lora_rank;
+  const Index dv = c_.v_head_dim;
   Tensor3 y(batch, n, c_.d_model);
   if (rows == 0) return y;
   const Index first = cache.position();
@@ -442,29 +481,52 @@ typename LatentAttention<Scalar>::Tensor3 LatentAttention<Scalar>::step(const Te
     const Tensor4 out = attention(qm, k, v, causal);
     std::copy_n(out.data(), out.size(), att.data());
   } else {
-    // The absorbed form: q_lat = W_UK^T q_nope per head, beside q_rope; multi-query attention over the
-    // latents (d_k = kv_lora + rope, d_v = kv_lora); then W_UV per head.
-    const Index wb = h * (nope + dv);
-    const ConstMap W(kv_b_proj_.weight().data(), wb, L, Eigen::OuterStride<>(L));
-    std::vector<Scalar> qa(static_cast<std::size_t>(rows * h * w)), out_lat(static_cast<std::size_t>(rows * h * L));
-    for (Index j = 0; j < h; ++j) {
-      const ConstMap qn(q.data() + j * qk(), rows, nope, Eigen::OuterStride<>(h * qk()));
+    absorbed(q.data(), batch, n, cache, att.data(), device, where);
+  }
+  o_proj_.forward_rows(att.data(), rows, h * dv, y.data(), c_.d_model, device);
+  return y;
+}
+
+template <typename Scalar>
+void LatentAttention<Scalar>::absorbed(const Scalar* q, Index batch, Index n, const LatentCache<Scalar>& cache, Scalar* att_out,
+                                       const Eigen::ThreadPoolDevice* device, const char* where) const {
+  const Index rows = batch * n, h = c_.heads, w = latent_width(), nk = cache.size();
+  const Index nope = c_.qk_nope_head_dim, rope = c_.qk_rope_head_dim, dv = c_.v_head_dim, L = c_.kv_lora_rank;
+  AttentionOptions<Scalar> causal;
+  causal.causal = true;
+  causal.device = device;
+  const Index wb = h * (nope + dv);
+  const ConstMap W(kv_b_proj_.weight().data(), wb, L, Eigen::OuterStride<>(L));
+  std::vector<Scalar> qa(static_cast<std::size_t>(rows * h * w)), out_lat(static_cast<std::size_t>(rows * h * L));
+  // Per head (in parallel: a step streams all of kv_b_proj's weights, W_UK here and W_UV below).
+  parallel_for(device, h, 1, [&](Index j0, Index j1) {
+    for (Index j = j0; j < j1; ++j) {
+      const ConstMap qn(q + j * qk(), rows, nope, Eigen::OuterStride<>(h * qk()));
       Map ql(qa.data() + j * w, rows, L, Eigen::OuterStride<>(h * w));
       ql.noalias() = qn * W.middleRows(j * (nope + dv), nope);
-      for (Index r = 0; r < rows; ++r) std::copy_n(q.data() + r * h * qk() + j * qk() + nope, rope, qa.data() + r * h * w + j * w + L);
+      for (Index r = 0; r < rows; ++r) std::copy_n(q + r * h * qk() + j * qk() + nope, rope, qa.data() + r * h * w + j * w + L);
     }
+  });
+  // Token t's heads are the rows of one query head against the one latent key head: a product of h rows
+  // per key block (the tiled kernel's GEMM shape) rather than h products of one row. Causal: token t sees
+  // the keys up to its own position (a key length).
+  kernels::DecodeWorkspace<Scalar> workspace;
+  for (Index t = 0; t < n; ++t) {
     detail::CallShape shape;
     shape.where = where;
     shape.batch = batch;
-    shape.heads = h;
+    shape.heads = 1;
     shape.kv_heads = 1;
-    shape.nq = n;
+    shape.nq = h;
     shape.nk = nk;
     shape.d_k = w;
     shape.d_v = L;
-    kernels::AttentionProblem<Scalar> p = detail::problem_of(shape, causal, MaskedRows::kZero, true, nk - n);
+    AttentionOptions<Scalar> own = causal;
+    own.causal = false;
+    own.key_lengths.assign(static_cast<std::size_t>(batch), nk - n + t + 1);
+    kernels::AttentionProblem<Scalar> p = detail::problem_of(shape, own, MaskedRows::kZero, false, 0);
     p.scale = scale();
-    p.q = {qa.data(), n * h * w, h * w, w};
+    p.q = {qa.data() + t * h * w, n * h * w, w, w};
     if (cache.storage() == native_storage<Scalar>()) {
       const Scalar* base = reinterpret_cast<const Scalar*>(cache.rows_.data());
       p.k = {base, cache.capacity() * w, w, w};
@@ -477,17 +539,27 @@ typename LatentAttention<Scalar>::Tensor3 LatentAttention<Scalar>::step(const Te
       p.k_scales = p.v_scales = cache.storage() == Storage::kInt8 ? cache.scales_.data() : nullptr;
       p.scale_batch_stride = cache.capacity();
     }
-    p.out = {out_lat.data(), n * h * L, h * L, L};
-    kernels::DecodeWorkspace<Scalar> workspace;
-    detail::run_attention(p, Kernel::kAuto, &workspace, device);
-    for (Index j = 0; j < h; ++j) {
-      const ConstMap ol(out_lat.data() + j * L, rows, L, Eigen::OuterStride<>(h * L));
-      Map a(att.data() + j * dv, rows, dv, Eigen::OuterStride<>(h * dv));
-      a.noalias() = ol * W.middleRows(j * (nope + dv) + nope, dv).transpose();
+    p.out = {out_lat.data() + t * h * L, n * h * L, L, L};
+    // Key blocks of kLatentBlockK: the tiled kernel's cache rule, made for heads of 64 to 256, gives
+    // shorter ones at d_k + d_v this wide, and the products over them ran slower (the commit's measurement).
+    if (h > kernels::kDecodeRows) {
+      // Rows shared out among the workers: one block of rows per worker.
+      const Index workers = std::max<Index>(1, static_cast<Index>(worker_count(device)));
+      kernels::TileConfig tiles;
+      tiles.block_k = kLatentBlockK;
+      tiles.block_q = std::max<Index>(16, (h + workers - 1) / workers);
+      kernels::tiled_attention(p, device, tiles);
+    } else {
+      detail::run_attention(p, Kernel::kAuto, &workspace, device);
     }
   }
-  o_proj_.forward_rows(att.data(), rows, h * dv, y.data(), c_.d_model, device);
-  return y;
+  parallel_for(device, h, 1, [&](Index j0, Index j1) {
+    for (Index j = j0; j < j1; ++j) {
+      const ConstMap ol(out_lat.data() + j * L, rows, L, Eigen::OuterStride<>(h * L));
+      Map a(att_out + j * dv, rows, dv, Eigen::OuterStride<>(h * dv));
+      a.noalias() = ol * W.middleRows(j * (nope + dv) + nope, dv).transpose();
+    }
+  });
 }
 
 template <typename Scalar>
