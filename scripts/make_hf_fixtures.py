@@ -159,6 +159,31 @@ def capture_gradients(model, ids, seed):
     return out
 
 
+def make_bf16(name, prompt=7, batch=2):
+    """<name>_bf16: the model of <name> saved in bfloat16 (save_pretrained), and the prefill of the float32
+    model with those rounded weights, for loading a bf16 checkpoint into float and double modules."""
+    import transformers as tr
+    src = os.path.join(OUT, name)
+    config = tr.AutoConfig.from_pretrained(src)
+    config._attn_implementation = "eager"
+    model = tr.AutoModelForCausalLM.from_pretrained(src, config=config, torch_dtype=torch.bfloat16).eval()
+    directory = os.path.join(OUT, name + "_bf16")
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    model = model.to(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, prompt), generator=g)
+    entries = version_entries()
+    with torch.no_grad():
+        full = capture(model, lambda: model(ids, use_cache=False))
+    names = sorted(full)
+    for i, n in enumerate(names):
+        entries += [(f"layer{i}.prefill.input", full[n][0]), (f"layer{i}.prefill.output", full[n][1])]
+    with open(os.path.join(directory, "layers.json"), "w") as f:
+        json.dump([n + "." for n in names], f)
+    write_fixture(directory, entries)
+
+
 def attention_modules(model):
     for name, m in model.named_modules():
         if name.endswith("self_attn") or name.endswith(".attn") or name.endswith("attention.self"):
@@ -204,7 +229,9 @@ def version_entries():
             ("transformers_version", np.int64(tr[0] * 10000 + tr[1] * 100 + tr[2]))]
 
 
-def make_decoder(name, cls, config, prompt=7, steps=4, batch=2, gradients=False):
+def make_decoder(name, cls, config, prompt=7, steps=4, batch=2, gradients=False, padded=0):
+    """padded > 0: the prefill also runs with the second sequence's last `padded` tokens padded out
+    (layer<i>.padded.output, attention_mask (batch, prompt))."""
     from transformers import DynamicCache
     torch.manual_seed(0)
     config._attn_implementation = "eager"
@@ -221,6 +248,13 @@ def make_decoder(name, cls, config, prompt=7, steps=4, batch=2, gradients=False)
         names = sorted(full)
         for i, n in enumerate(names):
             entries += [(f"layer{i}.prefill.input", full[n][0]), (f"layer{i}.prefill.output", full[n][1])]
+        if padded:
+            mask = torch.ones(batch, prompt, dtype=torch.int64)
+            mask[1, prompt - padded:] = 0
+            seen = capture(model, lambda: model(ids[:, :prompt], attention_mask=mask, use_cache=False))
+            entries.append(("attention_mask", mask.numpy()))
+            for i, n in enumerate(names):
+                entries += [(f"layer{i}.padded.input", seen[n][0]), (f"layer{i}.padded.output", seen[n][1])]
         cache = DynamicCache(config=config)
         model(ids[:, :prompt], past_key_values=cache, use_cache=True)
         for t in range(steps):
@@ -353,7 +387,10 @@ def main():
             make_decoder(name, cls, config)
     for name, (cls, config) in new_decoders().items():
         if want(name):
-            make_decoder(name, cls, config, gradients=True)
+            make_decoder(name, cls, config, gradients=True, padded=3 if name == "qwen3" else 0)
+    for name in ("qwen3", "deepseek_v3"):
+        if want(name + "_bf16"):
+            make_bf16(name)
     if want("qwen2_vl"):
         make_qwen2_vl()
     if want("gpt2"):

@@ -48,7 +48,7 @@ const Model kModels[] = {{"llama", HfLayout::kLlama},   {"mistral", HfLayout::kM
                          {"gpt2_unscaled", HfLayout::kGpt2}, {"bert_decoder", HfLayout::kBert},
                          {"qwen3", HfLayout::kQwen3},   {"olmo2", HfLayout::kOlmo2},     {"gemma3", HfLayout::kGemma3},
                          {"qwen3_next", HfLayout::kQwen3Next}, {"llama4_text", HfLayout::kLlama4}, {"phi3", HfLayout::kPhi3},
-                         {"qwen2_vl", HfLayout::kQwen2Vl}};
+                         {"qwen2_vl", HfLayout::kQwen2Vl},     {"qwen3_bf16", HfLayout::kQwen3}};
 
 // layers.json: the attention blocks' prefixes, in layer order.
 std::vector<std::string> prefixes(const std::string& model) {
@@ -57,6 +57,43 @@ std::vector<std::string> prefixes(const std::string& model) {
   std::vector<std::string> out;
   for (const auto& p : nlohmann::json::parse(in)) out.push_back(p.get<std::string>());
   return out;
+}
+
+// A directory of this test's own, removed with it (`dir`), holding a copy of a model with config.json edited by `edit`.
+struct EditedModel {
+  std::string dir;
+  explicit EditedModel(std::string d) : dir(std::move(d)) {}
+  EditedModel(const EditedModel&) = delete;
+  EditedModel& operator=(const EditedModel&) = delete;
+  ~EditedModel() {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+};
+
+std::unique_ptr<EditedModel> edited_model(const std::string& model, const std::function<void(nlohmann::json&)>& edit) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("sdpa_hf_" + std::to_string(::getpid()) + "_" + info->name() + "_" + model);
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(model_dir(model) + "/model.safetensors", dir / "model.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::ifstream in(model_dir(model) + "/config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  edit(j);
+  std::ofstream(dir / "config.json") << j.dump(2);
+  return std::make_unique<EditedModel>(dir.string());
+}
+
+template <typename Fn>
+std::string message_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no exception";
+  return "";
 }
 
 // max |a - b| / max(max |b|, 1e-30)
@@ -173,6 +210,19 @@ void check_model(const Model& m, double tolerance) {
     const auto expected = sdpa_test::to_tensor<double, 3>(f, tag + ".prefill.output");
     EXPECT_LT(relative_error<Scalar>(att(x, x, x, o), expected), tolerance) << "prefill";
     if (f.has(tag + ".grad.input")) check_gradients<Scalar>(m, f, tag, att, x, o, 20 * tolerance);
+    if (f.has(tag + ".padded.output")) {
+      // The second sequence padded at its end (a key length), against transformers with its attention mask.
+      AttentionOptions<Scalar> padded = o;
+      const sdpa_test::Array& mask = f.get("attention_mask");
+      for (std::int64_t b = 0; b < mask.dims[0]; ++b) {
+        Eigen::Index n = 0;
+        for (std::int64_t k = 0; k < mask.dims[1]; ++k) n += mask.i64[static_cast<std::size_t>(b * mask.dims[1] + k)] != 0;
+        padded.key_lengths.push_back(n);
+      }
+      const auto xp = input<Scalar>(f, tag + ".padded.input");
+      EXPECT_LT(relative_error<Scalar>(att(xp, xp, xp, padded), sdpa_test::to_tensor<double, 3>(f, tag + ".padded.output")), tolerance)
+          << "padded prefill";
+    }
     if (!f.has(tag + ".step0.input")) continue;
     // Decoding: the prompt through one step, then one token per step.
     const Eigen::Index steps = f.integer("steps");
@@ -261,6 +311,27 @@ TEST(HfLatent, DeepSeekBlocksMatchTransformers) {
 }
 
 // The absorbed step equals the expanded one (a step of more than kLatentAbsorbRows tokens) and the forward.
+// A bf16 checkpoint (save_pretrained in bfloat16) loaded into float and double modules: transformers' float32
+// model with the same rounded weights.
+TEST(HfLatent, Bf16CheckpointLoads) {
+  const std::string dir = model_dir("deepseek_v3_bf16");
+  const Fixture f = Fixture::load(dir + "/fixture.sdpafix");
+  const auto c = sdpa::read_hf_latent_config(dir + "/config.json");
+  for (std::size_t layer = 0; layer < 2; ++layer) {
+    auto att = sdpa::make_hf_latent_attention<float>(c);
+    const auto o = sdpa::load_hf_latent_attention(att, dir + "/model.safetensors", prefixes("deepseek_v3_bf16")[layer]);
+    const std::string tag = "layer" + std::to_string(layer);
+    EXPECT_LT(relative_error<float>(att.forward(input<float>(f, tag + ".prefill.input"), o),
+                                    sdpa_test::to_tensor<double, 3>(f, tag + ".prefill.output")),
+              2e-5);
+    auto att64 = sdpa::make_hf_latent_attention<double>(c);
+    const auto o64 = sdpa::load_hf_latent_attention(att64, dir + "/model.safetensors", prefixes("deepseek_v3_bf16")[layer]);
+    EXPECT_LT(relative_error<double>(att64.forward(input<double>(f, tag + ".prefill.input"), o64),
+                                     sdpa_test::to_tensor<double, 3>(f, tag + ".prefill.output")),
+              1e-6);
+  }
+}
+
 TEST(HfLatent, AbsorbedAndExpandedStepsAgree) {
   const std::string dir = model_dir("deepseek_v3");
   auto att = sdpa::make_hf_latent_attention<double>(sdpa::read_hf_latent_config(dir + "/config.json"));
@@ -288,6 +359,17 @@ TEST(HfLatent, AbsorbedAndExpandedStepsAgree) {
   EXPECT_LT(e2, 1e-12 * scale);
   // The latent cache's bytes: (kv_lora + rope) per token, not heads * (nope + rope + v).
   EXPECT_EQ(absorbed.bytes(), static_cast<std::size_t>(2 * n * (16 + 8)) * sizeof(double));
+}
+
+// config.json's model_type picks the layout (read_hf_config(path)); an unknown one is refused by name.
+TEST(HfModels, ModelTypeNamesTheLayout) {
+  for (const Model& m : kModels) {
+    SCOPED_TRACE(m.name);
+    EXPECT_EQ(sdpa::read_hf_config(model_dir(m.name) + "/config.json").layout, m.layout);
+  }
+  const auto edited = edited_model("llama", [](nlohmann::json& j) { j["model_type"] = "mamba"; });
+  const std::string msg = message_of([&] { sdpa::read_hf_config(edited->dir + "/config.json"); });
+  EXPECT_NE(msg.find("model_type \"mamba\" is not one sdpa loads"), std::string::npos) << msg;
 }
 
 TEST(HfModels, ConfigsGiveEachLayerItsSettings) {
@@ -324,44 +406,21 @@ TEST(HfModels, ConfigsGiveEachLayerItsSettings) {
   EXPECT_FALSE(bert.has_rotary);
   const auto qwen = sdpa::read_hf_config(model_dir("qwen2") + "/config.json", HfLayout::kQwen2);
   EXPECT_EQ(qwen.sliding_window, -1);  // use_sliding_window is false
+  {
+    // With use_sliding_window and no layer_types, the window holds from max_window_layers on.
+    const auto edited = edited_model("qwen3", [](nlohmann::json& j) {
+      j["use_sliding_window"] = true;
+      j["sliding_window"] = 4;
+      j["max_window_layers"] = 1;
+      j.erase("layer_types");
+    });
+    const auto c = sdpa::read_hf_config(edited->dir + "/config.json", HfLayout::kQwen3);
+    EXPECT_EQ(c.layer_types, (std::vector<std::string>{"full_attention", "sliding_attention"}));
+    auto att = sdpa::make_hf_attention<float>(c);
+    EXPECT_EQ(sdpa::load_hf_attention(att, edited->dir + "/model.safetensors", "model.layers.0.self_attn.", HfLayout::kQwen3).window_left, -1);
+    EXPECT_EQ(sdpa::load_hf_attention(att, edited->dir + "/model.safetensors", "model.layers.1.self_attn.", HfLayout::kQwen3).window_left, 3);
+  }
   EXPECT_NEAR(qwen.rotary.attention_factor, 0.1 * std::log(4.0) + 1, 1e-15);
-}
-
-// A directory of this test's own, removed with it (`dir`), holding a copy of a model with config.json edited by `edit`.
-struct EditedModel {
-  std::string dir;
-  explicit EditedModel(std::string d) : dir(std::move(d)) {}
-  EditedModel(const EditedModel&) = delete;
-  EditedModel& operator=(const EditedModel&) = delete;
-  ~EditedModel() {
-    std::error_code ignored;
-    std::filesystem::remove_all(dir, ignored);
-  }
-};
-
-std::unique_ptr<EditedModel> edited_model(const std::string& model, const std::function<void(nlohmann::json&)>& edit) {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    ("sdpa_hf_" + std::to_string(::getpid()) + "_" + info->name() + "_" + model);
-  std::filesystem::create_directories(dir);
-  std::filesystem::copy_file(model_dir(model) + "/model.safetensors", dir / "model.safetensors",
-                             std::filesystem::copy_options::overwrite_existing);
-  std::ifstream in(model_dir(model) + "/config.json");
-  nlohmann::json j = nlohmann::json::parse(in);
-  edit(j);
-  std::ofstream(dir / "config.json") << j.dump(2);
-  return std::make_unique<EditedModel>(dir.string());
-}
-
-template <typename Fn>
-std::string message_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no exception";
-  return "";
 }
 
 // The module's parameters, flat, to see that a refused load changed nothing.

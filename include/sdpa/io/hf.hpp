@@ -375,6 +375,11 @@ inline HfAttentionConfig read_hf_config(const std::string& path, HfLayout layout
     if (t != other_type && t != "full_attention")
       hf::fail(path, "config.json \"layer_types\" holds \"" + t + "\"; sdpa follows \"" + other_type + "\" and \"full_attention\" for " +
                          hf_layout_name(layout));
+  // Qwen2 / Qwen3 / Qwen2-VL configs without layer_types: the window, when used, holds from max_window_layers on.
+  if (qwen && c.layer_types.empty() && c.sliding_window > 0) {
+    const Eigen::Index layers = hf::integer(j, path, "num_hidden_layers"), from = hf::integer(j, path, "max_window_layers", false, 28);
+    for (Eigen::Index i = 0; i < layers; ++i) c.layer_types.push_back(i >= from ? "sliding_attention" : "full_attention");
+  }
   c.rms_norm_eps = hf::number(j, path, "rms_norm_eps", 1e-6);
   if (!(c.rms_norm_eps > 0)) hf::fail(path, "config.json \"rms_norm_eps\" must be positive, but is " + std::to_string(c.rms_norm_eps));
   switch (layout) {
