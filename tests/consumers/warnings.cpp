@@ -155,6 +155,42 @@ int exercise() {
   const auto gated_out = sdpa::attention(q, k, v, {}, gated, sdpa::flex::all_visible{}, nullptr, state);
   if (flex_grads.tables.size() != 1 || gated_out.size() == 0 || exact.count(sdpa::BlockState::kNone) < 0) return 1;
 
+  // Today's open models: QK-norm, gate, temperature, LongRoPE, MRoPE positions; latent attention.
+  sdpa::ScaledDotProductAttention<Scalar> qwen(32, 8, 8, 4, Scalar(0), 2);
+  qwen.eval();
+  sdpa::QkNorm<Scalar> norm;
+  norm.kind = sdpa::QkNormKind::kHead;
+  norm.q_weight.assign(8, Scalar(1));
+  norm.k_weight.assign(8, Scalar(1));
+  qwen.set_qk_norm(norm);
+  qwen.set_output_gate(true);
+  qwen.set_query_temperature({4.0, 0.1});
+  sdpa::Rotary mrope = sdpa::rope_longrope(8, 10000, {1, 1, 1, 1}, {2, 2, 2, 2}, 4, 8.0);
+  mrope.mrope_section = {2, 1, 1};
+  qwen.set_rotary(mrope);
+  sdpa::AttentionOptions<Scalar> vl;
+  vl.causal = true;
+  vl.rotary_positions.assign(3 * 2 * 9, 1);
+  sdpa::ForwardState<Scalar> qwen_state;
+  const auto y_qwen = qwen.forward(x, x, x, vl, qwen_state);
+  const auto qwen_grads = qwen.backward(y_qwen, qwen_state);
+  sdpa::LatentConfig lc;
+  lc.d_model = 32;
+  lc.heads = 4;
+  lc.kv_lora_rank = 8;
+  lc.qk_nope_head_dim = 4;
+  lc.qk_rope_head_dim = 4;
+  lc.v_head_dim = 4;
+  sdpa::LatentAttention<Scalar> mla(lc);
+  sdpa::LatentCache<Scalar> latent(mla, 2);
+  sdpa::LatentState<Scalar> mla_state;
+  sdpa::AttentionOptions<Scalar> mla_options;
+  mla_options.causal = true;
+  const auto y_mla = mla.forward(x, mla_options, mla_state);
+  const auto mla_grads = mla.backward(y_mla, mla_state);
+  const auto y_latent = mla.step(x, latent);
+  if (qwen_grads.q_norm.size() != 8 || mla_grads.input.size() != x.size() || y_latent.size() != x.size()) return 1;
+
 #ifdef SDPA_CONSUMER_IO
   // A Hugging Face block from files that are not there: a clear exception, nothing loaded.
   try {

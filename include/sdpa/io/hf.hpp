@@ -213,7 +213,8 @@ inline Rotary rope_of(const nlohmann::json& j, const nlohmann::json& rope, const
 
 inline void read_rope(const nlohmann::json& j, HfAttentionConfig& c) {
   nlohmann::json rope = object(j, c.path, "rope_parameters");
-  for (const auto& [k, v] : object(j, c.path, "rope_scaling").items()) rope[k] = v;
+  const nlohmann::json scaling = object(j, c.path, "rope_scaling");  // named: items() of a temporary would dangle
+  for (const auto& [k, v] : scaling.items()) rope[k] = v;
   c.rotary = rope_of(j, rope, c);
   c.has_rotary = true;
 }
@@ -719,7 +720,8 @@ inline HfLatentConfig read_hf_latent_config(const std::string& path) {
   c.rotary = rc.rotary;
   c.rotary.interleaved = c.model_type == "deepseek_v2" || hf::boolean(j, path, "rope_interleave", true);
   nlohmann::json rope = hf::object(j, path, "rope_parameters");
-  for (const auto& [k, v] : hf::object(j, path, "rope_scaling").items()) rope[k] = v;
+  const nlohmann::json scaling = hf::object(j, path, "rope_scaling");
+  for (const auto& [k, v] : scaling.items()) rope[k] = v;
   c.scale = 1.0 / std::sqrt(static_cast<double>(s.qk_nope_head_dim + s.qk_rope_head_dim));
   const std::string type = hf::text(rope, path, "rope_type", hf::text(rope, path, "type", "default"));
   const double mscale_all_dim = hf::number(rope, path, "mscale_all_dim", 0.0);
