@@ -231,11 +231,17 @@ TYPED_TEST(HeadNormTest, ForwardMatchesAPlainDoubleReference) {
   for (const Variant& v : kVariants) {
     SCOPED_TRACE(v.name);
     const auto m = make_module<T>(v, 3);
-    const Tensor3<T> x = random_input<T>(2, 11, 4);
+    const Tensor3<T> x = random_input<T>(2, 300, 4);  // more rows than one elementwise task
     sdpa::AttentionOptions<T> o;
     o.causal = true;
     const Tensor3<double> want = reference(m, v, x);
     EXPECT_LT(max_error(m(x, x, x, o), want), tol);
+    Eigen::ThreadPool pool(2);
+    Eigen::ThreadPoolDevice device(&pool, 2);
+    sdpa::AttentionOptions<T> threaded = o;
+    threaded.device = &device;
+    const Tensor3<T> y2 = m(x, x, x, threaded);
+    EXPECT_LT(max_error(y2, want), tol) << "2 threads";
     // Without the option the output differs (the reference is not blind to it).
     const Tensor3<double> plain = reference(m, Variant{"none", sdpa::QkNormKind::kNone, false, false, false, v.gate, v.rotary}, x);
     EXPECT_GT(max_error(want, plain), 1e-3);

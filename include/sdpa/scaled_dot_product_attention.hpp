@@ -751,14 +751,19 @@ class ScaledDotProductAttention {
   }
 
   // QK-norm of query (or key) rows: n rows per batch entry (batch_stride apart, row stride ld).
-  void norm_rows(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, bool query) const {
+  void norm_rows(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, bool query,
+                 const Eigen::ThreadPoolDevice* device = nullptr) const {
     const bool per_head = qk_norm_.kind == QkNormKind::kHead;
     const Index heads = query ? h_ : kv_heads_;
     const std::vector<Scalar>& w = query ? qk_norm_.q_weight : qk_norm_.k_weight;
     for (Index b = 0; b < batch; ++b)
-      detail::rms_norm_rows(x + b * batch_stride, n, ld, per_head ? heads : 1, per_head ? d_k_ : heads * d_k_,
-                            w.empty() ? nullptr : w.data(), qk_norm_.eps);
+      parallel_for(device, n, kElementwiseRows, [&](Index r0, Index r1) {
+        detail::rms_norm_rows(x + b * batch_stride + r0 * ld, r1 - r0, ld, per_head ? heads : 1, per_head ? d_k_ : heads * d_k_,
+                              w.empty() ? nullptr : w.data(), qk_norm_.eps);
+      });
   }
+  // Rows per task of the elementwise passes (norms, temperature, gate) on a device.
+  static constexpr Index kElementwiseRows = 256;
   bool has_qk_norm() const noexcept { return qk_norm_.kind != QkNormKind::kNone; }
 
   // Everything between the projection and the scores for query (or key) rows laid out as rotate's, the
@@ -784,7 +789,10 @@ class ScaledDotProductAttention {
   void temper_queries(Scalar* q, Index ldq, Index batch, Index nq, Index nk, const AttentionOptions<Scalar>& options) const {
     if (!has_temperature_) return;
     if (!options.packed()) {
-      for (Index b = 0; b < batch; ++b) detail::temper_rows(temperature_, q + b * nq * ldq, nq, ldq, h_ * d_k_, nk - nq);
+      for (Index b = 0; b < batch; ++b)
+        parallel_for(options.device, nq, kElementwiseRows, [&](Index r0, Index r1) {
+          detail::temper_rows(temperature_, q + (b * nq + r0) * ldq, r1 - r0, ldq, h_ * d_k_, nk - nq + r0);
+        });
       return;
     }
     const std::vector<Index>&cq = options.cu_seqlens_q, &ck = options.cu_seqlens_k;
@@ -798,13 +806,13 @@ class ScaledDotProductAttention {
   void transform_projected(Scalar* q, Index ldq, Scalar* k, Index ldk, Index batch, Index nq, Index nk,
                            const AttentionOptions<Scalar>& options) const {
     if (has_qk_norm() && !qk_norm_.after_rotary) {
-      norm_rows(q, 1, 0, batch * nq, ldq, true);
-      norm_rows(k, 1, 0, batch * nk, ldk, false);
+      norm_rows(q, 1, 0, batch * nq, ldq, true, options.device);
+      norm_rows(k, 1, 0, batch * nk, ldk, false, options.device);
     }
     rotate_projected(q, ldq, k, ldk, batch, nq, nk, options);
     if (has_qk_norm() && qk_norm_.after_rotary) {
-      norm_rows(q, 1, 0, batch * nq, ldq, true);
-      norm_rows(k, 1, 0, batch * nk, ldk, false);
+      norm_rows(q, 1, 0, batch * nq, ldq, true, options.device);
+      norm_rows(k, 1, 0, batch * nk, ldk, false, options.device);
     }
     temper_queries(q, ldq, batch, nq, nk, options);
   }
@@ -856,7 +864,9 @@ class ScaledDotProductAttention {
     } else {
       project_pass(x, rows, {fc_g_.target(gate, ha)}, device);
     }
-    for (Index i = 0; i < rows * ha; ++i) gate[i] = Scalar(1) / (Scalar(1) + std::exp(-gate[i]));
+    parallel_for(device, rows, kElementwiseRows, [&](Index r0, Index r1) {
+      for (Index i = r0 * ha; i < r1 * ha; ++i) gate[i] = Scalar(1) / (Scalar(1) + std::exp(-gate[i]));
+    });
   }
 
   // att (rows of h * d_v) times the output gate of x's rows, in place, before fc_o.
@@ -949,7 +959,9 @@ class ScaledDotProductAttention {
         gated = scratch_.take(static_cast<std::size_t>(batch * nq * hv));
         dst = gated.data();
       }
-      for (Index i = 0; i < batch * nq * hv; ++i) dst[i] = att.data()[i] * gate.data()[i];
+      parallel_for(device, batch * nq, kElementwiseRows, [&](Index r0, Index r1) {
+        for (Index i = r0 * hv; i < r1 * hv; ++i) dst[i] = att.data()[i] * gate.data()[i];
+      });
       to_fc_o = dst;
     }
     if (compute_ == Compute::kBf16) {
