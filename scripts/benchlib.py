@@ -101,13 +101,13 @@ def runner_args(script, results, repetitions, peer):
     return args, f"python3 scripts/{script} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def run_ours(args, target):
-    """Builds (with --build) and runs bench/<target>, every case args.repetitions times: (its runs, case name
-    -> (min, median) ms)."""
+def run_ours(args, target, extra=()):
+    """Builds (with --build) and runs bench/<target>, every case args.repetitions times (extra: more of its
+    flags): (its runs, case name -> (min, median) ms)."""
     if args.build:
         build_benchmarks(ROOT, args.build_dir, [target])
     exe = os.path.join(args.build_dir, "bench", target)
-    runs, _ = bench(exe, ".", args.repetitions, os.path.join(args.build_dir, target + ".json"))
+    runs, _ = bench(exe, ".", args.repetitions, os.path.join(args.build_dir, target + ".json"), extra)
     return runs, {name: (min(t), statistics.median(t)) for name, t in times(runs).items()}
 
 

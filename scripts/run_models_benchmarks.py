@@ -31,7 +31,8 @@ def counter(runs, name, key, best=max):
 
 def main():
     args, command = benchlib.runner_args("run_models_benchmarks.py", "models.md", 3, "nothing (no peer here)")
-    runs, ours = benchlib.run_ours(args, "models_bench")
+    # Repetitions interleaved at random: the blocks compared share the same stretches of this VM's clock.
+    runs, ours = benchlib.run_ours(args, "models_bench", ["--benchmark_enable_random_interleaving=true"])
     lines = benchlib.header("The attention blocks of today's open models (bench/models_bench.cpp)", "run_models_benchmarks.py",
                             FLAGS, command, f"{args.repetitions} repetitions of each case", None)
     lines = [line for line in lines if not line.startswith("- PyTorch")]
