@@ -4,6 +4,9 @@
 //   peak/fma/<isa>                 independent float FMA chains (fma_peak.hpp)
 //   peak/bf16/avx512_bf16          independent vdpbf16ps chains (64 FLOP per instruction)
 //   peak/bf16/amx                  tdpbf16ps on four resident C tiles (16 x 16 x 32 x 2 FLOP each)
+//   peak/int8/vpdpbusd, peak/int16/vpdpwssd   independent AVX512_VNNI chains (128 / 64 integer ops per
+//                                  instruction: u8 x s8 quadruples, int16 pairs); int8 keys' scores run
+//                                  vpdpwssd (simd/vnni.hpp)
 //   attention/N:4096/causal:C/compute:P/threads:T   sdpa::attention on (1, 8, 4096, 64) tensors
 //   backward/N:4096/compute:P/threads:T   sdpa::attention_backward of the (1, 8, 4096, 64) forward
 //   demo/compute:P/threads:T       the module's eval forward on the (50, 49, 512) demo, h 8, d_k 64
@@ -66,6 +69,35 @@ __attribute__((target("amx-tile,amx-bf16"))) float amx_chains(long iterations) {
   _tile_stored(0, c, 64);
   _tile_release();
   return c[0];
+}
+
+// Independent chains of vpdpbusd (bytes) or vpdpwssd (words), 16 accumulators.
+template <bool Bytes>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) int vnni_chains(long iterations) {
+  constexpr int kChains = 16;
+  __m512i acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_epi32(j);
+  const __m512i a = _mm512_set1_epi32(0x01010101), b = _mm512_set1_epi32(0x00010001);
+  for (long i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kChains; ++j) acc[j] = Bytes ? _mm512_dpbusd_epi32(acc[j], a, b) : _mm512_dpwssd_epi32(acc[j], a, b);
+  }
+  __m512i sum = acc[0];
+  for (int j = 1; j < kChains; ++j) sum = _mm512_add_epi32(sum, acc[j]);
+  return _mm512_reduce_add_epi32(sum);
+}
+
+template <bool Bytes>
+void vnni_peak(benchmark::State& state) {
+  constexpr long kIterations = 1 << 16;
+  for (auto _ : state) {
+    long iterations = kIterations;
+    benchmark::DoNotOptimize(iterations);
+    benchmark::DoNotOptimize(vnni_chains<Bytes>(iterations));
+  }
+  // Multiplies and adds per instruction: 64 u8 x s8 products or 32 int16 products, and as many additions.
+  const double per_iteration = 16.0 * (Bytes ? 128 : 64);
+  state.counters["FLOPS"] = benchmark::Counter(per_iteration * kIterations, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void bf16_peak(benchmark::State& state, bool amx) {
@@ -181,6 +213,10 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark("peak/bf16/amx", [](benchmark::State& s) { bf16_peak(s, true); })
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
+  if (sdpa::cpu_features().avx512vnni) {
+    benchmark::RegisterBenchmark("peak/int8/vpdpbusd", vnni_peak<true>)->UseRealTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("peak/int16/vpdpwssd", vnni_peak<false>)->UseRealTime()->Unit(benchmark::kMillisecond);
+  }
   for (const std::string path : {"float", "emulated", "avx512_bf16", "amx"})
     for (int threads : {1, 2}) {
       for (bool causal : {false, true}) {

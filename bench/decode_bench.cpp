@@ -326,7 +326,9 @@ int main(int argc, char** argv) {
                           {"f32", Storage::kFloat32, "f32", Storage::kFloat32, 2048, 1},
                           {"f32", Storage::kFloat32, "f32", Storage::kFloat32, 2048, 8},
                           {"bf16", Storage::kBFloat16, "f32", Storage::kFloat32, 2048, 8},
-                          {"bf16", Storage::kBFloat16, "bf16", Storage::kBFloat16, 2048, 8}};
+                          {"bf16", Storage::kBFloat16, "bf16", Storage::kBFloat16, 2048, 8},
+                          {"int8", Storage::kInt8, "f32", Storage::kFloat32, 4095, 8},  // issue 49's int8 step
+                          {"bf16", Storage::kBFloat16, "f32", Storage::kFloat32, 4095, 8}};
     for (const Case& c : cases) {
       const std::string tag = std::string("kv:") + c.kv_name + "/weights:" + c.w_name + "/cache:" + std::to_string(c.n) +
                               "/batch:" + std::to_string(c.batch);

@@ -84,6 +84,39 @@ def main():
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {speed} | {vs_torch} | {fmt(gflops)}{of_peak} |")
     lines += ["", "Ratios use the minima; \"best kBf16\" is the fastest bfloat16 path of the run (the one "
               "sdpa chooses by default on this CPU is the highest it runs: amx, then avx512_bf16)."]
+
+    # Decoding over an int8 cache: its keys' scores in integer products (VNNI where the CPU has it) against
+    # the bfloat16 cache's step and the read bound of each step's bytes (decode_bench, same run).
+    if args.build:
+        benchlib.build_benchmarks(benchlib.ROOT, args.build_dir, ["decode_bench"])
+    decode_flt = "decode/(read/)?storage/kv:(int8|bf16)/weights:f32/cache:4095/batch:8/"
+    druns, _ = benchlib.bench(os.path.join(args.build_dir, "bench", "decode_bench"), decode_flt, args.repetitions,
+                              os.path.join(args.build_dir, "decode_bench_compute.json"),
+                              ["--benchmark_enable_random_interleaving=true"])
+    dt = {name: (min(t), sorted(t)[len(t) // 2]) for name, t in benchlib.times(druns).items()}
+
+    def decode_case(kv, read):
+        prefix = f"decode/{'read/' if read else ''}storage/kv:{kv}/weights:f32/cache:4095/batch:8/"
+        return next((dt[k] for k in dt if k.startswith(prefix)), None)
+
+    int16_peak = peaks.get("peak/int16/vpdpwssd")
+    lines += ["", "## Decoding, int8 cache, batch 8 x 4095 cached tokens (bench/decode_bench.cpp)", "",
+              f"d_model 512, h 8, kv_heads 8, d_k 64, float weights, 1 thread; int8 keys' products on "
+              f"{'vpdpwssd zmm (AVX512_VNNI)' if benchlib.cpu(['avx512_vnni'])[1] else 'this CPU’s integer path'}; "
+              "the read bound sums the step's bytes (cache, int8's scales, the four weight matrices) in the same run.",
+              "", "| cache | step | read bound | step / bound | scores GOP/s (% vpdpwssd peak) |", "|---|---|---|---:|---:|"]
+    score_ops = 2.0 * 8 * 8 * 4095 * 64
+    for kv in ("int8", "bf16"):
+        st, rb = decode_case(kv, False), decode_case(kv, True)
+        if st is None:
+            continue
+        gops = score_ops / (st[0] * 1e-3) / 1e9
+        of_peak = f" ({100 * gops / int16_peak:.1f}%)" if int16_peak and kv == "int8" else ""
+        lines.append(f"| {kv} | {st[0]:.3f} / {st[1]:.3f} | " + (f"{rb[0]:.3f} / {rb[1]:.3f} | {st[0] / rb[0]:.2f}x" if rb else "- | -")
+                     + f" | {gops:.1f}{of_peak} |")
+    i8, b16 = decode_case("int8", False), decode_case("bf16", False)
+    if i8 and b16:
+        lines += ["", f"- int8 step / bf16 step: {b16[0] / i8[0]:.2f}x faster (minima)"]
     benchlib.write_results(args.out, lines)
 
 

@@ -56,6 +56,7 @@ struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false;
   bool avx512bf16 = false;
+  bool avx512vnni = false, avx_vnni = false;  // vpdpwssd / vpdpbusd on zmm (EVEX) and on ymm (VEX)
   bool amx_tile = false, amx_bf16 = false;  // and the OS saves the tile state (XCR0 bits 17 and 18)
 };
 
@@ -90,18 +91,21 @@ inline CpuFeatures detect_cpu_features() noexcept {
   __cpuid_count(7, 0, a, b, c, d);
   const unsigned sub_leaves = a;
   f.avx2 = (b >> 5) & 1u;
+  const unsigned leaf7_c = c;
   if (zmm_state) {
     f.avx512f = (b >> 16) & 1u;
     f.avx512dq = (b >> 17) & 1u;
     f.avx512bw = (b >> 30) & 1u;
     f.avx512vl = (b >> 31) & 1u;
+    f.avx512vnni = (leaf7_c >> 11) & 1u;
     const bool tile_state = (xcr0 & 0x60000) == 0x60000;  // XTILECFG and XTILEDATA
     f.amx_tile = tile_state && ((d >> 24) & 1u);
     f.amx_bf16 = tile_state && ((d >> 22) & 1u);
-    if (sub_leaves >= 1) {
-      __cpuid_count(7, 1, a, b, c, d);
-      f.avx512bf16 = (a >> 5) & 1u;
-    }
+  }
+  if (sub_leaves >= 1) {
+    __cpuid_count(7, 1, a, b, c, d);
+    f.avx_vnni = (a >> 4) & 1u;
+    if (zmm_state) f.avx512bf16 = (a >> 5) & 1u;
   }
 #endif
   return f;

@@ -90,7 +90,7 @@ struct Vec<float> {
   static Reg widen(const std::int8_t* p) noexcept {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  // Integer products of int8 keys with int16 queries (generic_rows.inc's int8_chunk_scores): lane l of
+  // Integer products of int8 keys with int16 queries (generic_int8.inc's int8_chunk_scores): lane l of
   // int8_products is k[2l] q[2l] + k[2l + 1] q[2l + 1] over kInt8Step features (sign extension, vpmaddwd),
   // exact, as are the sums below while they stay under 2^31 (storage.hpp's kInt16QueryMaxLength).
   static constexpr bool kInt8Products = true;
@@ -102,6 +102,9 @@ struct Vec<float> {
   static IReg int8_products(const std::int8_t* k, const std::int16_t* q) noexcept {
     const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
     return _mm256_madd_epi16(wide, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  }
+  static IReg int8_accumulate(IReg acc, const std::int8_t* k, const std::int16_t* q) noexcept {
+    return iadd(acc, int8_products(k, q));
   }
   // Lane t of the result is the sum of r[t]'s lanes: 128-bit halves folded, then 32- and 64-bit pairs.
   static IReg sum_lanes(const IReg (&r)[8]) noexcept {

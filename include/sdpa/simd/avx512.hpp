@@ -65,8 +65,89 @@ struct Vec<float> {
   }
   static void prefetch(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static void prefetch_l2(const void* p) noexcept { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
-  // int8 keys' products are widened float ones here (generic_rows.inc's int8_chunk_scores is AVX2's).
-  static constexpr bool kInt8Products = false;
+  // Integer products of int8 keys with int16 queries (generic_int8.inc's int8_chunk_scores), as
+  // Vec<float> of simd/avx2.hpp over 32 features a step (vpmovsxbw, vpmaddwd); simd/vnni.hpp fuses the
+  // product and the sum (vpdpwssd) where the CPU has AVX512_VNNI. Exact while the sums stay under 2^31
+  // (storage.hpp's kInt16QueryMaxLength).
+  static constexpr bool kInt8Products = true;
+  static constexpr Eigen::Index kInt8Step = 32;
+  using IReg = __m512i;
+  static IReg izero() noexcept { return _mm512_setzero_si512(); }
+  static IReg iadd(IReg a, IReg b) noexcept { return _mm512_add_epi32(a, b); }
+  static IReg iloadu(const std::int32_t* p) noexcept { return _mm512_loadu_si512(p); }
+  static __m512i widen_keys(const std::int8_t* k) noexcept {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+  }
+  static IReg int8_accumulate(IReg acc, const std::int8_t* k, const std::int16_t* q) noexcept {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(widen_keys(k), _mm512_loadu_si512(q)));
+  }
+  // Lane t of the result is the sum of r[t]'s lanes, in the float sum_lanes' tree (exact in integers).
+  static IReg sum_lanes(const IReg (&r)[16]) noexcept {
+    constexpr Mask kAll = 0xFFFF;
+    const auto in = [&](int s) -> const IReg& { return r[4 * (s % 4) + s / 4]; };
+    const auto shuffle128 = [](IReg a, IReg b, auto imm) SDPA_ALWAYS_INLINE_LAMBDA {
+      return _mm512_maskz_shuffle_i32x4(kAll, a, b, decltype(imm)::value);
+    };
+    const auto shuffle32 = [](IReg a, IReg b, auto imm) SDPA_ALWAYS_INLINE_LAMBDA {
+      return _mm512_castps_si512(
+          _mm512_maskz_shuffle_ps(kAll, _mm512_castsi512_ps(a), _mm512_castsi512_ps(b), decltype(imm)::value));
+    };
+    using I44 = std::integral_constant<int, 0x44>;
+    using IEE = std::integral_constant<int, 0xEE>;
+    using I88 = std::integral_constant<int, 0x88>;
+    using IDD = std::integral_constant<int, 0xDD>;
+    IReg t[8], u[4], v[2];
+#pragma GCC unroll 16
+    for (int i = 0; i < 8; ++i)
+      t[i] = _mm512_add_epi32(shuffle128(in(2 * i), in(2 * i + 1), I44{}), shuffle128(in(2 * i), in(2 * i + 1), IEE{}));
+#pragma GCC unroll 16
+    for (int i = 0; i < 4; ++i)
+      u[i] = _mm512_add_epi32(shuffle128(t[2 * i], t[2 * i + 1], I88{}), shuffle128(t[2 * i], t[2 * i + 1], IDD{}));
+#pragma GCC unroll 16
+    for (int i = 0; i < 2; ++i)
+      v[i] = _mm512_add_epi32(shuffle32(u[2 * i], u[2 * i + 1], I44{}), shuffle32(u[2 * i], u[2 * i + 1], IEE{}));
+    return _mm512_add_epi32(shuffle32(v[0], v[1], I88{}), shuffle32(v[0], v[1], IDD{}));
+  }
+  static Reg to_float(IReg x) noexcept { return _mm512_cvtepi32_ps(x); }
+  // Lane t is p[t * stride] (lane by lane, as simd/avx2.hpp's).
+  static Reg strided(const float* p, Eigen::Index stride) noexcept {
+    alignas(64) float x[16];
+#pragma GCC unroll 16
+    for (Eigen::Index t = 0; t < 16; ++t) x[t] = p[t * stride];
+    return _mm512_load_ps(x);
+  }
+  // simd/avx2.hpp's quantize_query, the same numbers: q[i] = x[i] * (32767 / max |x|) rounded to nearest
+  // (ties to even) in double, factor = max |x| / 32767; false, writing nothing, for a value not finite.
+  static bool quantize_query(const float* x, Eigen::Index n, std::int16_t* q, double& factor) noexcept {
+    __m512 amax = _mm512_setzero_ps(), nan = _mm512_setzero_ps();
+    for (Eigen::Index i = 0; i < n; i += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(mask(std::min<Eigen::Index>(16, n - i)), x + i);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      nan = _mm512_add_ps(nan, _mm512_sub_ps(v, v));  // 0, or NaN where v is not finite
+    }
+    if (_mm512_cmp_ps_mask(nan, nan, _CMP_UNORD_Q) != 0) return false;
+    const float a = _mm512_reduce_max_ps(amax);
+    if (a == 0.0f) {
+      std::fill_n(q, n, std::int16_t{0});
+      factor = 0.0;
+      return true;
+    }
+    const __m512d scale = _mm512_set1_pd(32767.0 / static_cast<double>(a));
+    const __m512d hi = _mm512_set1_pd(32767.0), lo = _mm512_set1_pd(-32767.0);
+    const auto round = [&](__m256 v) SDPA_ALWAYS_INLINE_LAMBDA {
+      const __m512d r = _mm512_roundscale_pd(_mm512_mul_pd(_mm512_cvtps_pd(v), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm512_cvtpd_epi32(_mm512_min_pd(hi, _mm512_max_pd(lo, r)));
+    };
+    for (Eigen::Index i = 0; i < n; i += 16) {
+      const Mask m = mask(std::min<Eigen::Index>(16, n - i));
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+      const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(round(_mm512_castps512_ps256(v))),
+                                               round(_mm512_extractf32x8_ps(v, 1)), 1);
+      _mm256_mask_storeu_epi16(q + i, m, _mm512_cvtepi32_epi16(words));
+    }
+    factor = static_cast<double>(a) / 32767.0;
+    return true;
+  }
   static Reg zero() noexcept { return _mm512_setzero_ps(); }
   static Reg set1(float x) noexcept { return _mm512_set1_ps(x); }
   static Reg broadcast(const float* p) noexcept { return _mm512_set1_ps(*p); }  // an FMA's memory operand
@@ -378,10 +459,9 @@ inline void softcap_row(float* x, Eigen::Index n, float cap) noexcept {
   }
 }
 
-// Whether the row kernels over stored (narrow) keys and values prefetch the rows they read next: not on
-// this path, as on the AVX-512 Sapphire Rapids software prefetches slowed the decoding step down
-// (bench/RESULTS.md).
-constexpr bool kPrefetchStoredRows = false;
+// Whether the row kernels over stored (narrow) keys and values prefetch the rows they read next: yes since
+// int8 keys take integer products here (a batch's step, whose cache leaves L2, waited on its rows).
+constexpr bool kPrefetchStoredRows = true;
 
 #include "sdpa/simd/generic_gemm.inc"
 #include "sdpa/simd/generic_rows.inc"

@@ -16,6 +16,7 @@
 #include "sdpa/simd/avx2.hpp"
 #include "sdpa/simd/avx512.hpp"
 #include "sdpa/simd/portable.hpp"
+#include "sdpa/simd/vnni.hpp"
 
 SDPA_NAMESPACE_BEGIN
 namespace simd {
@@ -159,12 +160,26 @@ void dot_rows(Isa isa, const T* a, const Scalar* b, Eigen::Index ldb, Eigen::Ind
 
 // chunk_scores and add_weighted_rows over keys / values stored as T (BFloat16, Float16, std::int8_t with
 // one scale per (row, head)): generic_rows.inc's chunk_scores_stored and add_weighted_rows_stored.
+// Whether int8 keys' integer products run on the VNNI instructions on this path (simd/vnni.hpp): the
+// AVX-512 path where the CPU has AVX512_VNNI, the AVX2 path where it has AVX-VNNI.
+inline bool int8_vnni(Isa isa) noexcept {
+  const CpuFeatures& f = cpu_features();
+  return (isa == Isa::kAvx512 && f.avx512vnni) || (isa == Isa::kAvx2 && f.avx_vnni);
+}
+
 template <typename T>
 void chunk_scores_stored(Isa isa, const T* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n,
                          const float* scales, Eigen::Index scale_row, const float* q, Eigen::Index q_head,
                          Eigen::Index q_row, Eigen::Index heads, Eigen::Index group, Eigen::Index nq, Eigen::Index d,
                          float scale, float* s, Eigen::Index lds) noexcept {
 #if SDPA_DISPATCH
+  if constexpr (std::is_same<T, std::int8_t>::value) {
+    if (d <= kInt16QueryMaxLength && int8_vnni(isa)) {
+      if (isa == Isa::kAvx512)
+        return avx512_vnni::int8_scores(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+      return avx_vnni::int8_scores(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+    }
+  }
   if (isa == Isa::kAvx512)
     return avx512::chunk_scores_stored(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
   if (isa == Isa::kAvx2)
@@ -175,7 +190,7 @@ void chunk_scores_stored(Isa isa, const T* k, Eigen::Index k_row, Eigen::Index k
 }
 
 // Whether chunk_scores_stored sums int8 keys' products in integers on this path, against each query rounded
-// to int16 (generic_rows.inc's int8_chunk_scores), for head sizes up to kInt16QueryMaxLength.
+// to int16 (generic_int8.inc's int8_chunk_scores), for head sizes up to kInt16QueryMaxLength.
 inline bool int8_integer_products(Isa isa) noexcept {
 #if SDPA_DISPATCH
   if (isa == Isa::kAvx512) return avx512::Vec<float>::kInt8Products;
@@ -183,6 +198,13 @@ inline bool int8_integer_products(Isa isa) noexcept {
 #endif
   (void)isa;
   return false;
+}
+
+// The instructions that multiply int8 keys by queries on this path, for reports and test names.
+inline const char* int8_products_name(Isa isa) noexcept {
+  if (int8_vnni(isa)) return isa == Isa::kAvx512 ? "vpdpwssd zmm (AVX512_VNNI)" : "vpdpwssd ymm (AVX-VNNI)";
+  if (int8_integer_products(isa)) return isa == Isa::kAvx512 ? "vpmaddwd zmm" : "vpmaddwd ymm";
+  return "widened float";
 }
 
 template <typename T>
