@@ -1,7 +1,7 @@
 // Storage types apart from the compute type (ATen's opmath_type, tinyBLAS's TA/TB/TC): key/value caches and
 // module weights may be stored as bfloat16, float16 or int8 while every kernel computes and accumulates in
-// float (but the AVX2 decoding kernel's int8 key scores: exact integer sums against the query rounded to
-// int16, kInt16QueryMaxLength); values are converted where they are loaded or packed, never a whole cache
+// float (but the AVX2 / AVX-512 decoding kernel's int8 key scores: exact integer sums against the query
+// rounded to int16, kInt16QueryMaxLength); values are converted where they are loaded or packed, never a whole cache
 // or matrix at once.
 //   sdpa::Storage              kFloat32, kBFloat16, kFloat16, kInt8 (and kFloat64, what a double module keeps)
 //   BFloat16, Float16          one stored element each (the bits; distinct types so that a kernel cannot read
@@ -187,7 +187,7 @@ inline float quantize_int8(const float* x, std::ptrdiff_t n, std::int8_t* q) noe
   return scale;
 }
 
-// Queries against int8 keys, where a path sums their products in integers (simd/generic_rows.inc's
+// Queries against int8 keys, where a path sums their products in integers (simd/generic_int8.inc's
 // int8_chunk_scores, against the query rounded to int16: q = x * (32767 / max |x|) rounded to nearest): the
 // longest query so rounded. n int16 values of magnitude at most 32767 against int8 keys (magnitude at most
 // 128, a loaded cache's -128 included) sum to less than 2^31 up to n = 512, so the int32 sums are exact.

@@ -3,8 +3,8 @@
 // registers as they load them (stored_chunk_scores, stored_add_weighted_rows), the tiled kernel widens each
 // key block of a head before it packs it (gather_kv, which also gathers a paged cache's blocks). Nothing widens a whole cache, and every path computes
 // with the same widened values (int8: scale * q, rounded once), so the results are those of a float cache
-// holding them, but for the AVX2 decoding kernel's int8 key scores, integer products against the query
-// rounded to int16 (simd/generic_rows.inc's int8_chunk_scores).
+// holding them, but for the AVX2 / AVX-512 decoding kernel's int8 key scores, integer products against the
+// query rounded to int16 (simd/generic_int8.inc's int8_chunk_scores; simd/vnni.hpp where the CPU has VNNI).
 #pragma once
 
 #include "sdpa/config.hpp"
