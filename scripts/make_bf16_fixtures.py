@@ -15,7 +15,7 @@ The errors are taken over the rows i with i % stride == stride - 1, stride = n /
 them), so that the test's float64 reference needs 512 rows only. Each line: name n d causal peaked seed
 max_abs_error rms_error (PyTorch's bf16 output on those rows against the reference).
 
-tests/fixtures/bf16_gradients.txt: the same for the gradients of the n = 1024 cases, with dO made as tensor 3
+tests/fixtures/bf16_gradients.txt: the same for the gradients of every case, with dO made as tensor 3
 (not scaled): PyTorch's bf16 autograd against float64 autograd, over the same rows (of q for dq, of k and v
 for dk and dv). Each line: name n d causal peaked seed, then max and rms error of dq, dk and dv.
 """
@@ -78,8 +78,6 @@ def main():
     grad_lines = [f"# written by scripts/make_bf16_fixtures.py with torch {torch.__version__}",
                   "# name n d causal peaked seed dq_max dq_rms dk_max dk_rms dv_max dv_rms (torch bf16 vs float64)"]
     for name, n, d, causal, peaked, seed in cases():
-        if n != 1024:
-            continue
         q, k, v, do = (tensor(seed, t, n, d, peaked) for t in range(4))
         ref = [t.double().requires_grad_() for t in (q, k, v)]
         F.scaled_dot_product_attention(*ref, is_causal=causal).backward(do.double())

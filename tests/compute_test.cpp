@@ -14,7 +14,7 @@
 //   - the projections (project_rows_bf16) multiply rounded x and weights (float, bfloat16, float16), with
 //     the same bits on 1 and 2 threads;
 //   - gradients (sdpa::attention_backward after a kBf16 forward: q, k, v, dO, P and dS rounded, sums in float)
-//     no further from float64 than PyTorch's bf16 autograd, n = 1024 (tests/fixtures/bf16_gradients.txt);
+//     no further from float64 than PyTorch's bf16 autograd, n = 1024 and 4096 (tests/fixtures/bf16_gradients.txt);
 //   - the refusals (double, the reference kernel, a module forward that keeps a backward state, unknown
 //     paths).
 #include "sdpa/attention.hpp"
@@ -640,7 +640,7 @@ TEST_P(Bf16Accuracy, NoFurtherFromFloat64ThanPyTorchsBf16) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, Bf16Accuracy, ::testing::ValuesIn(accuracy_cases()),
                          [](const ::testing::TestParamInfo<AccuracyCase>& info) { return info.param.name; });
 
-// ---- Gradients against PyTorch's bf16 autograd (tests/fixtures/bf16_gradients.txt, n = 1024) ----
+// ---- Gradients against PyTorch's bf16 autograd (tests/fixtures/bf16_gradients.txt, n = 1024 and 4096) ----
 
 struct GradientCase {
   AccuracyCase c;
@@ -665,27 +665,41 @@ std::vector<GradientCase> gradient_cases() {
   return out;
 }
 
-// Float64 gradients of one head's attention (q, k, v: (n, d)) for dO: dq, dk, dv, each (n, d) row-major.
-std::vector<std::vector<double>> reference_gradients(const T4& q, const T4& k, const T4& v, const T4& d_out, bool causal) {
+// Float64 gradients of one head's attention (q, k, v: (n, d)) for dO on the rows r with r % stride ==
+// stride - 1 (of q for dq, of k and v for dk and dv): dq, dk, dv, each (n, d) row-major, zero on the other
+// rows. Query rows in blocks of 256, so that n = 4096 needs a few n-wide blocks, not n x n matrices.
+std::vector<std::vector<double>> reference_gradients(const T4& q, const T4& k, const T4& v, const T4& d_out, bool causal,
+                                                     Index stride) {
   using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using MapF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-  const Index n = q.dimension(2), d = q.dimension(3);
+  const Index n = q.dimension(2), d = q.dimension(3), picked = n / stride;
   const Mat Q = MapF(q.data(), n, d).cast<double>(), K = MapF(k.data(), n, d).cast<double>(),
             V = MapF(v.data(), n, d).cast<double>(), dO = MapF(d_out.data(), n, d).cast<double>();
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  Mat P = (Q * K.transpose()) * scale;
-  for (Index i = 0; i < n; ++i) {
-    const Index seen = causal ? i + 1 : n;
-    const double m = P.row(i).head(seen).maxCoeff();
-    P.row(i).head(seen) = (P.row(i).head(seen).array() - m).exp().matrix();
-    P.row(i).tail(n - seen).setZero();
-    P.row(i) /= P.row(i).sum();
+  const auto cols = Eigen::seqN(stride - 1, picked, stride);
+  Mat dQ = Mat::Zero(n, d), dK_picked = Mat::Zero(picked, d), dV_picked = Mat::Zero(picked, d);
+  for (Index i0 = 0; i0 < n; i0 += 256) {
+    const Index rb = std::min<Index>(256, n - i0);
+    Mat P = (Q.middleRows(i0, rb) * K.transpose()) * scale;
+    for (Index r = 0; r < rb; ++r) {
+      const Index seen = causal ? i0 + r + 1 : n;
+      const double m = P.row(r).head(seen).maxCoeff();
+      P.row(r).head(seen) = (P.row(r).head(seen).array() - m).exp().matrix();
+      P.row(r).tail(n - seen).setZero();
+      P.row(r) /= P.row(r).sum();
+    }
+    const Mat O = P * V;
+    const Eigen::VectorXd D = (dO.middleRows(i0, rb).array() * O.array()).rowwise().sum();
+    const Mat dP = dO.middleRows(i0, rb) * V.transpose();
+    const Mat dS = (P.array() * (dP.colwise() - D).array()).matrix() * scale;
+    for (Index r = 0; r < rb; ++r)
+      if ((i0 + r) % stride == stride - 1) dQ.row(i0 + r) = dS.row(r) * K;
+    dK_picked += Mat(dS(Eigen::all, cols)).transpose() * Q.middleRows(i0, rb);
+    dV_picked += Mat(P(Eigen::all, cols)).transpose() * dO.middleRows(i0, rb);
   }
-  const Mat O = P * V;
-  const Mat dP = dO * V.transpose();
-  const Eigen::VectorXd D = (dO.array() * O.array()).rowwise().sum();
-  const Mat dS = (P.array() * (dP.colwise() - D).array()).matrix() * scale;
-  const Mat dQ = dS * K, dK = dS.transpose() * Q, dV = P.transpose() * dO;
+  Mat dK = Mat::Zero(n, d), dV = Mat::Zero(n, d);
+  dK(cols, Eigen::all) = dK_picked;
+  dV(cols, Eigen::all) = dV_picked;
   std::vector<std::vector<double>> out;
   for (const Mat* g : {&dQ, &dK, &dV}) out.emplace_back(g->data(), g->data() + g->size());
   return out;
@@ -697,8 +711,8 @@ TEST_P(Bf16Gradients, NoFurtherFromFloat64ThanPyTorchsBf16) {
   const AccuracyCase& c = GetParam().c;
   const T4 q = fixture_tensor(c.seed, 0, c.n, c.d, c.peaked), k = fixture_tensor(c.seed, 1, c.n, c.d, c.peaked),
            v = fixture_tensor(c.seed, 2, c.n, c.d, c.peaked), d_out = fixture_tensor(c.seed, 3, c.n, c.d, false);
-  const std::vector<std::vector<double>> ref = reference_gradients(q, k, v, d_out, c.causal);
   const Index stride = c.n / 512;
+  const std::vector<std::vector<double>> ref = reference_gradients(q, k, v, d_out, c.causal, stride);
   sdpa::AttentionOptions<float> o;
   o.causal = c.causal;
   o.compute = sdpa::Compute::kBf16;
@@ -732,7 +746,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, Bf16Gradients, ::testing::ValuesIn(gradient_c
 
 TEST(Bf16AccuracyFixtures, AreAllThere) {
   EXPECT_EQ(accuracy_cases().size(), 16u);
-  EXPECT_EQ(gradient_cases().size(), 8u);
+  EXPECT_EQ(gradient_cases().size(), 16u);
 }
 
 }  // namespace compute_test
