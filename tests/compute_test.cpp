@@ -15,8 +15,7 @@
 //     the same bits on 1 and 2 threads;
 //   - gradients (sdpa::attention_backward after a kBf16 forward: q, k, v, dO, P and dS rounded, sums in float)
 //     no further from float64 than PyTorch's bf16 autograd, n = 1024 and 4096 (tests/fixtures/bf16_gradients.txt);
-//   - the refusals (double, the reference kernel, a module forward that keeps a backward state, unknown
-//     paths).
+//   - the refusals (double, the reference kernel, unknown paths).
 #include "sdpa/attention.hpp"
 #include "sdpa/compute.hpp"
 #include "sdpa/kernels/bf16_projection.hpp"
@@ -432,8 +431,6 @@ TEST(ComputeBf16, RefusesWhatItDoesNotRun) {
   m.set_kernel(sdpa::Kernel::kReference);
   expect_invalid([&] { m.forward(x, x, x); }, {"forward", "Kernel::kReference"});
   m.set_kernel(sdpa::Kernel::kAuto);
-  sdpa::ForwardState<float> fs;
-  expect_invalid([&] { m.forward(x, x, x, sdpa::AttentionOptions<float>{}, fs); }, {"forward", "module", "backward", "kBf16"});
 }
 
 // The module's forward with set_compute(kBf16): its attention core's error, carried through fc_o, stays

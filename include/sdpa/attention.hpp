@@ -84,20 +84,14 @@ void check_packed(const CallShape& c, const AttentionOptions<Scalar>& o) {
     throw_invalid(where, unpacked, "unset with packed sequences (cu_seqlens: it has no packed form)", "set");
 }
 
-// Compute::kBf16 where it runs: float problems, the tiled or automatic kernel, and not a module forward that
-// keeps a state for the module's backward (keeps_state).
+// Compute::kBf16 where it runs: float problems, the tiled or automatic kernel.
 template <typename Scalar>
-void check_compute(const char* where, Compute compute, Kernel kernel, bool keeps_state) {
+void check_compute(const char* where, Compute compute, Kernel kernel) {
   if (compute == Compute::kFloat) return;
   if (!std::is_same<Scalar, float>::value)
     throw_invalid(where, "compute", "Compute::kFloat for double (kBf16 rounds float operands)", compute_name(compute));
   if (kernel == Kernel::kReference)
     throw_invalid(where, "compute", "Compute::kFloat with Kernel::kReference (the reference multiplies in float)",
-                  compute_name(compute));
-  if (keeps_state)
-    throw_invalid(where, "compute",
-                  "Compute::kFloat for a module forward that keeps a state for backward (the module has no kBf16 "
-                  "backward yet; sdpa::attention has)",
                   compute_name(compute));
 }
 
@@ -148,7 +142,7 @@ void check_attention_options(const CallShape& c, const AttentionOptions<Scalar>&
   if (module_call && o.compute != Compute::kFloat)
     throw_invalid(where, "compute (set_compute sets the module's)", "left at its default in a module call",
                   "set: it is an option of sdpa::attention only");
-  if (!module_call) check_compute<Scalar>(where, o.compute, o.kernel, /*keeps_state=*/false);
+  if (!module_call) check_compute<Scalar>(where, o.compute, o.kernel);
   if (o.program != nullptr) {
     if (o.kernel == Kernel::kReference)
       throw_invalid(where, "kernel", "Kernel::kAuto or Kernel::kTiled with a score program", "Kernel::kReference");

@@ -58,6 +58,7 @@ class ForwardState {
   bool dropout_ = false;
   DropoutSampler sampler_{0, 0, 0.0};
   Scalar keep_scale_ = Scalar(1);
+  Compute compute_ = Compute::kFloat;       // the module's products' type in the forward (set_compute)
 };
 
 SDPA_NAMESPACE_END

@@ -338,7 +338,7 @@ class ScaledDotProductAttention {
   // the attention core multiply bfloat16-rounded operands with float sums. The cached decoding steps stay
   // in float.
   void set_compute(Compute compute) {
-    detail::check_compute<Scalar>("ScaledDotProductAttention::set_compute", compute, kernel_, /*keeps_state=*/false);
+    detail::check_compute<Scalar>("ScaledDotProductAttention::set_compute", compute, kernel_);
     compute_ = compute;
   }
   Compute compute() const noexcept { return compute_; }
@@ -905,7 +905,7 @@ class ScaledDotProductAttention {
     const detail::CallShape shape = call_shape("ScaledDotProductAttention::forward", batch, nq, nk);
     detail::check_attention_options(shape, options, /*module_call=*/true);
     check_rotary_positions(shape.where, options, batch, nk);
-    detail::check_compute<Scalar>(shape.where, compute_, kernel_, /*keeps_state=*/capture != nullptr);
+    detail::check_compute<Scalar>(shape.where, compute_, kernel_);
     const Eigen::ThreadPoolDevice* device = options.device;
 
     // Checked: from here on nothing throws but an allocation failure.
@@ -942,6 +942,7 @@ class ScaledDotProductAttention {
       capture->dropout_ = p.dropout;
       capture->sampler_ = p.sampler;
       capture->keep_scale_ = p.keep_scale;
+      capture->compute_ = compute_;
     }
     if (options.packed())
       detail::run_packed(p, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device);
@@ -1139,11 +1140,31 @@ class ScaledDotProductAttention {
     p.dropout = s.dropout_;
     p.sampler = s.sampler_;
     p.keep_scale = s.keep_scale_;
+    // kBf16: the products read the transformed q, k, v and d att rounded to bfloat16 (the kernel rounds P
+    // and dS per tile), as sdpa::attention_backward does; the projections' gradients stay float products.
+    detail::Buffer<Scalar> q_bf16, k_bf16, v_bf16, d_att_bf16;
+    Scalar* d_att_read = d_att.data();
+    if (s.compute_ == Compute::kBf16) {
+      if constexpr (std::is_same<Scalar, float>::value) {
+        const auto rounded = [&](const Scalar* x, Index rows, Index ld, Index width, detail::Buffer<Scalar>& into) {
+          into = detail::Buffer<Scalar>(static_cast<std::size_t>(rows * width));
+          parallel_for(device, rows, kElementwiseRows, [&](Index r0, Index r1) {
+            for (Index r = r0; r < r1; ++r) kernels::round_to_bf16(active_isa(), x + r * ld, width, into.data() + r * width);
+          });
+          return into.data();
+        };
+        p.q = {rounded(s.q_, rows_q, s.ldq_, hq, q_bf16), nq * hq, hq, d_k_};
+        p.k = {rounded(s.k_, rows_k, s.ldk_, kk, k_bf16), nk * kk, kk, d_k_};
+        p.v = {rounded(s.v_, rows_k, s.ldv_, kv, v_bf16), nk * kv, kv, d_v_};
+        d_att_read = rounded(d_att.data(), rows_q, hv, hv, d_att_bf16);
+        detail::set_compute(p, Compute::kBf16);
+      }
+    }
     detail::Buffer<Scalar> dq(static_cast<std::size_t>(rows_q * hq)), dk(static_cast<std::size_t>(rows_k * kk)),
         dv(static_cast<std::size_t>(rows_k * kv));
     kernels::BackwardProblem<Scalar> bp;
     bp.forward = &p;
-    bp.d_out = {d_att.data(), nq * hv, hv, d_v_};
+    bp.d_out = {d_att_read, nq * hv, hv, d_v_};
     bp.d_q = {dq.data(), nq * hq, hq, d_k_};
     bp.d_k = {dk.data(), nk * kk, kk, d_k_};
     bp.d_v = {dv.data(), nk * kv, kv, d_v_};
@@ -1162,6 +1183,7 @@ class ScaledDotProductAttention {
         options.packed() ? detail::run_packed_backward(bp, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device, tables.size())
                          : detail::run_attention_backward(bp, kernel_, device);
     g.tables = tables.finish(status, where);
+    for (detail::Buffer<Scalar>* b : {&q_bf16, &k_bf16, &v_bf16, &d_att_bf16}) *b = detail::Buffer<Scalar>();
     // The gradients of the transformed (rotated, normalised) queries and keys, taken back through the
     // transforms: those of the projections' outputs.
     transform_backward(dq.data(), dk.data(), s, options, g);
