@@ -889,9 +889,15 @@ TEST(FlexKeepFrom, ChunksAndWindowsDropWhatNoLaterQuerySees) {
   for (Index p = 0; p < 40; ++p) {
     for (Index q = p; q < p + 30; ++q)
       for (Index k = 0; k < q + 1; ++k) {
-        if (chunk(0, 0, q, k)) EXPECT_GE(k, chunk.keep_from(p));
-        if (window(0, 0, q, k)) EXPECT_GE(k, window.keep_from(p));
-        if (both(0, 0, q, k)) EXPECT_GE(k, both.keep_from(p));
+        if (chunk(0, 0, q, k)) {
+          EXPECT_GE(k, chunk.keep_from(p));
+        }
+        if (window(0, 0, q, k)) {
+          EXPECT_GE(k, window.keep_from(p));
+        }
+        if (both(0, 0, q, k)) {
+          EXPECT_GE(k, both.keep_from(p));
+        }
       }
     EXPECT_TRUE(chunk(0, 0, p, chunk.keep_from(p)));
     EXPECT_TRUE(window(0, 0, p, window.keep_from(p)));

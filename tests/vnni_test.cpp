@@ -74,15 +74,24 @@ std::vector<Pair> pairs() {
            &sdpa::avx_vnni::int8_scores<float>, &sdpa::avx2::int8_scores<float>}};
 }
 
-// Head sizes around the steps (16 / 32 features) and the unrolled sizes, up to the longest int16 query; a
-// short last block of keys; one query per head and several; a query with a NaN (the widened fallback).
-TEST(Int8Vnni, ProductsGiveTheBitsOfTheMultiplyAddKernel) {
+// f(pair) for each VNNI kernel this CPU runs, named; skips the test when there is none.
+template <typename F>
+void for_each_pair(F&& f) {
   int ran = 0;
   for (const Pair& p : pairs()) {
     if (!p.runs) continue;
     ++ran;
     std::printf("[ path ] %s\n", p.name);
     SCOPED_TRACE(p.name);
+    f(p);
+  }
+  if (ran == 0) GTEST_SKIP() << "no AVX512_VNNI or AVX-VNNI on this CPU";
+}
+
+// Head sizes around the steps (16 / 32 features) and the unrolled sizes, up to the longest int16 query; a
+// short last block of keys; one query per head and several; a query with a NaN (the widened fallback).
+TEST(Int8Vnni, ProductsGiveTheBitsOfTheMultiplyAddKernel) {
+  for_each_pair([](const Pair& p) {
     sdpa_test::Rng rng(7);
     for (Index d : {Index(1), Index(15), Index(16), Index(17), Index(32), Index(48), Index(64), Index(70), Index(128),
                     Index(200), sdpa::kInt16QueryMaxLength})
@@ -93,19 +102,13 @@ TEST(Int8Vnni, ProductsGiveTheBitsOfTheMultiplyAddKernel) {
           const std::vector<float> a = pr.run(p.vnni), b = pr.run(p.plain);
           ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "d " << d << " nq " << nq << " n " << n;
         }
-  }
-  if (ran == 0) GTEST_SKIP() << "no AVX512_VNNI or AVX-VNNI on this CPU";
+  });
 }
 
 // The error against float64 of the unrounded keys: the key's rounding to int8 dominates; rounding the query
 // to int16 adds at most a hundredth to the widened float products' error.
 TEST(Int8Vnni, ErrorIsTheWidenedProductsError) {
-  int ran = 0;
-  for (const Pair& p : pairs()) {
-    if (!p.runs) continue;
-    ++ran;
-    std::printf("[ path ] %s\n", p.name);
-    SCOPED_TRACE(p.name);
+  for_each_pair([](const Pair& p) {
     sdpa_test::Rng rng(11);
     for (Index d : {Index(64), Index(128)}) {
       Problem pr(rng, 512, d, 2, 4, 1);
@@ -124,8 +127,7 @@ TEST(Int8Vnni, ErrorIsTheWidenedProductsError) {
       EXPECT_GT(err_widened, 0.0);
       EXPECT_LE(err, 1.01 * err_widened) << "d " << d;
     }
-  }
-  if (ran == 0) GTEST_SKIP() << "no AVX512_VNNI or AVX-VNNI on this CPU";
+  });
 }
 
 #endif  // SDPA_DISPATCH

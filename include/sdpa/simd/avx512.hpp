@@ -35,6 +35,7 @@
 
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/simd/avx2.hpp"
 #include "sdpa/storage.hpp"
 
 #include "sdpa/simd/target_avx512_begin.hpp"
@@ -116,37 +117,10 @@ struct Vec<float> {
     for (Eigen::Index t = 0; t < 16; ++t) x[t] = p[t * stride];
     return _mm512_load_ps(x);
   }
-  // simd/avx2.hpp's quantize_query, the same numbers: q[i] = x[i] * (32767 / max |x|) rounded to nearest
-  // (ties to even) in double, factor = max |x| / 32767; false, writing nothing, for a value not finite.
+  // simd/avx2.hpp's quantize_query itself (once per query and call; its 256-bit code also keeps GCC's -O0
+  // intrinsic macros, whose masked AVX-512 forms warn under -Wsign-conversion, out of this path).
   static bool quantize_query(const float* x, Eigen::Index n, std::int16_t* q, double& factor) noexcept {
-    __m512 amax = _mm512_setzero_ps(), nan = _mm512_setzero_ps();
-    for (Eigen::Index i = 0; i < n; i += 16) {
-      const __m512 v = _mm512_maskz_loadu_ps(mask(std::min<Eigen::Index>(16, n - i)), x + i);
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-      nan = _mm512_add_ps(nan, _mm512_sub_ps(v, v));  // 0, or NaN where v is not finite
-    }
-    if (_mm512_cmp_ps_mask(nan, nan, _CMP_UNORD_Q) != 0) return false;
-    const float a = _mm512_reduce_max_ps(amax);
-    if (a == 0.0f) {
-      std::fill_n(q, n, std::int16_t{0});
-      factor = 0.0;
-      return true;
-    }
-    const __m512d scale = _mm512_set1_pd(32767.0 / static_cast<double>(a));
-    const __m512d hi = _mm512_set1_pd(32767.0), lo = _mm512_set1_pd(-32767.0);
-    const auto round = [&](__m256 v) SDPA_ALWAYS_INLINE_LAMBDA {
-      const __m512d r = _mm512_roundscale_pd(_mm512_mul_pd(_mm512_cvtps_pd(v), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      return _mm512_cvtpd_epi32(_mm512_min_pd(hi, _mm512_max_pd(lo, r)));
-    };
-    for (Eigen::Index i = 0; i < n; i += 16) {
-      const Mask m = mask(std::min<Eigen::Index>(16, n - i));
-      const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-      const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(round(_mm512_castps512_ps256(v))),
-                                               round(_mm512_extractf32x8_ps(v, 1)), 1);
-      _mm256_mask_storeu_epi16(q + i, m, _mm512_cvtepi32_epi16(words));
-    }
-    factor = static_cast<double>(a) / 32767.0;
-    return true;
+    return avx2::Vec<float>::quantize_query(x, n, q, factor);
   }
   static Reg zero() noexcept { return _mm512_setzero_ps(); }
   static Reg set1(float x) noexcept { return _mm512_set1_ps(x); }
