@@ -158,8 +158,6 @@ void dot_rows(Isa isa, const T* a, const Scalar* b, Eigen::Index ldb, Eigen::Ind
   portable::dot_rows(a, b, ldb, rows, n, out);
 }
 
-// chunk_scores and add_weighted_rows over keys / values stored as T (BFloat16, Float16, std::int8_t with
-// one scale per (row, head)): generic_rows.inc's chunk_scores_stored and add_weighted_rows_stored.
 // Whether int8 keys' integer products run on the VNNI instructions on this path (simd/vnni.hpp): the
 // AVX-512 path where the CPU has AVX512_VNNI, the AVX2 path where it has AVX-VNNI.
 inline bool int8_vnni(Isa isa) noexcept {
@@ -167,6 +165,9 @@ inline bool int8_vnni(Isa isa) noexcept {
   return (isa == Isa::kAvx512 && f.avx512vnni) || (isa == Isa::kAvx2 && f.avx_vnni);
 }
 
+// chunk_scores and add_weighted_rows over keys / values stored as T (BFloat16, Float16, std::int8_t with
+// one scale per (row, head)): generic_rows.inc's chunk_scores_stored and add_weighted_rows_stored; int8
+// keys' scores on the VNNI kernels where int8_vnni says so (the same bits).
 template <typename T>
 void chunk_scores_stored(Isa isa, const T* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n,
                          const float* scales, Eigen::Index scale_row, const float* q, Eigen::Index q_head,
