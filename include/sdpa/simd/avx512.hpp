@@ -110,12 +110,12 @@ struct Vec<float> {
     return _mm512_add_epi32(shuffle32(v[0], v[1], I88{}), shuffle32(v[0], v[1], IDD{}));
   }
   static Reg to_float(IReg x) noexcept { return _mm512_cvtepi32_ps(x); }
-  // Lane t is p[t * stride] (lane by lane, as simd/avx2.hpp's).
+  // Lane t is p[t * stride], lane by lane (as simd/avx2.hpp's: a vector load of scalars just stored to the
+  // stack would wait for them).
   static Reg strided(const float* p, Eigen::Index stride) noexcept {
-    alignas(64) float x[16];
-#pragma GCC unroll 16
-    for (Eigen::Index t = 0; t < 16; ++t) x[t] = p[t * stride];
-    return _mm512_load_ps(x);
+    return _mm512_setr_ps(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride], p[5 * stride], p[6 * stride],
+                          p[7 * stride], p[8 * stride], p[9 * stride], p[10 * stride], p[11 * stride], p[12 * stride],
+                          p[13 * stride], p[14 * stride], p[15 * stride]);
   }
   // simd/avx2.hpp's quantize_query itself (once per query and call; its 256-bit code also keeps GCC's -O0
   // intrinsic macros, whose masked AVX-512 forms warn under -Wsign-conversion, out of this path).
