@@ -4,6 +4,8 @@
 #pragma once
 
 #include "sdpa/attention.hpp"
+#include "sdpa/cache/kv_cache.hpp"
+#include "sdpa/cache/paged_kv_cache.hpp"
 #include "sdpa/compute.hpp"
 #include "sdpa/cpu.hpp"
 #include "sdpa/error.hpp"
@@ -13,12 +15,10 @@
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/reference.hpp"
 #include "sdpa/kernels/tiled.hpp"
-#include "sdpa/kv_cache.hpp"
 #include "sdpa/latent_attention.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/options.hpp"
-#include "sdpa/paged_kv_cache.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"
 #include "sdpa/rotary.hpp"

@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "sdpa/error.hpp"
-#include "sdpa/kv_cache.hpp"
+#include "sdpa/cache/kv_cache.hpp"
 #include "sdpa/parameter.hpp"
 #include "sdpa/storage.hpp"
 
@@ -888,7 +888,7 @@ void save_safetensors(const Module& module, const std::string& path, const std::
   if (!out) st::fail(path, "writing failed (disk full or I/O error)");
 }
 
-// ---- Key/value caches (sdpa/kv_cache.hpp) ----
+// ---- Key/value caches (sdpa/cache/kv_cache.hpp) ----
 // A cache is one file: tensors "kv_cache.keys" (batch, size, h * d_k) and "kv_cache.values" (batch, size,
 // h * d_v) in the cache's dtype (its storage: F32, F64, BF16, F16, or I8 with F32 scales), and metadata "sdpa.d_model", "sdpa.d_k", "sdpa.d_v", "sdpa.h" (the module
 // shape it belongs to) and "sdpa.kv_cache.position" (the position after its last entry), so a server can

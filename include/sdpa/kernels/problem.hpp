@@ -41,6 +41,21 @@ struct Heads {
   }
 };
 
+// The keys and values of a cache as the kernels read them, whatever their storage: Scalar rows (k, v), or
+// rows stored narrower (storage: bfloat16, float16, int8 with one float scale per (row, key/value head) at
+// scales + b * scale_batch_stride + row * kv_heads + head), then addressed by k's and v's strides with null
+// data. A cache hands one out (rows()); AttentionProblem::read_rows takes it.
+template <typename Scalar>
+struct KVRows {
+  Heads<const Scalar> k, v;
+  Storage storage = native_storage<Scalar>();
+  const void* k_stored = nullptr;
+  const void* v_stored = nullptr;
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  Eigen::Index scale_batch_stride = 0;
+};
+
 template <typename Scalar>
 struct AttentionProblem {
   using Index = Eigen::Index;
@@ -115,6 +130,18 @@ struct AttentionProblem {
   // batch_stride (and scale_batch_stride) is 0. A run of rows inside one block is contiguous.
   const Index* const* block_tables = nullptr;
   Index block_rows = 0;
+
+  // Keys and values from a cache's row view (KVRows).
+  void read_rows(const KVRows<Scalar>& rows) noexcept {
+    k = rows.k;
+    v = rows.v;
+    kv_storage = rows.storage;
+    k_stored = rows.k_stored;
+    v_stored = rows.v_stored;
+    k_scales = rows.k_scales;
+    v_scales = rows.v_scales;
+    scale_batch_stride = rows.scale_batch_stride;
+  }
 
   bool paged() const noexcept { return block_tables != nullptr; }
   Index row_of(Index b, Index i) const noexcept {

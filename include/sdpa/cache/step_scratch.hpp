@@ -1,0 +1,30 @@
+// The scratch a decoding step needs, kept by a cache between steps so that once the cache has the capacity
+// a step allocates nothing: the step's projected queries, its attention output (and an output gate's
+// values), its new keys and values in Scalar before a narrow cache converts them, and the decoding kernel's
+// workspace. A cache owns one and hands it to the decoding entry points (sdpa/module/decoding.hpp); what it
+// holds between steps means nothing.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/buffer.hpp"
+#include "sdpa/kernels/decode.hpp"
+
+SDPA_NAMESPACE_BEGIN
+namespace detail {
+
+template <typename Scalar>
+struct StepScratch {
+  Buffer<Scalar> queries, attention, stage;
+  kernels::DecodeWorkspace<Scalar> decode;
+
+  void swap(StepScratch& other) noexcept {
+    std::swap(queries, other.queries);
+    std::swap(attention, other.attention);
+    std::swap(stage, other.stage);
+    std::swap(decode, other.decode);
+  }
+};
+
+}  // namespace detail
+SDPA_NAMESPACE_END

@@ -1,0 +1,450 @@
+// The module's decoding entry points (declared in sdpa/scaled_dot_product_attention.hpp, which includes
+// this header after the class): append, attend and step on a KVCache, and the ragged step on a
+// PagedKVCache. They project the new tokens into the cache through its public interface
+// (sdpa/cache/kv_cache.hpp, sdpa/cache/paged_kv_cache.hpp), hand the cache's rows (kernels::KVRows) to the
+// attention core (detail::run_attention: the decoding kernel for up to kernels::kDecodeRows rows, the
+// tiled kernel beyond) and apply fc_o.
+#pragma once
+
+#include "sdpa/config.hpp"
+
+#include "sdpa/detail/eigen.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "sdpa/cache/kv_cache.hpp"
+#include "sdpa/cache/paged_kv_cache.hpp"
+#include "sdpa/scaled_dot_product_attention.hpp"
+
+SDPA_NAMESPACE_BEGIN
+
+template <typename Scalar>
+template <typename K, typename V>
+void ScaledDotProductAttention<Scalar>::append(const K& keys, const V& values, KVCache<Scalar>& cache,
+                                               const Eigen::ThreadPoolDevice* device) const {
+  SDPA_DETAIL_CHECK_INPUT(K, Scalar);
+  SDPA_DETAIL_CHECK_INPUT(V, Scalar);
+  if constexpr (detail::is_valid_input<K, Scalar>() && detail::is_valid_input<V, Scalar>()) {
+    const detail::Inputs<Scalar> in(keys, keys, values);
+    const char* where = "ScaledDotProductAttention::append";
+    check_cache(cache, where);
+    check_decoding_input(in.k(), "keys", cache.batch(), where);
+    check_decoding_input(in.v(), "values", cache.batch(), where);
+    if (in.v().dims()[1] != in.k().dims()[1])
+      detail::throw_invalid(where, "values dimension 1 (sequence length)", detail::concat(in.k().dims()[1], ", the length of keys"),
+                            detail::concat(in.v().dims()[1], " (values shape ", detail::shape_string(in.v().dims()), ")"));
+    cache.make_room(in.k().dims()[1]);
+    project_into_cache(in.k(), in.v(), cache, device, nullptr);
+  }
+}
+
+template <typename Scalar>
+template <typename Q>
+auto ScaledDotProductAttention<Scalar>::attend(const Q& queries, const KVCache<Scalar>& cache,
+                                               const AttentionOptions<Scalar>& options) const -> Tensor3 {
+  SDPA_DETAIL_CHECK_INPUT(Q, Scalar);
+  Tensor3 out;
+  if constexpr (detail::is_valid_input<Q, Scalar>()) {
+    const detail::InputView<Scalar> q(queries);
+    out = Tensor3(q.dims()[0], q.dims()[1], d_model_);
+    attend_impl(q, cache, options, out.data(), out.dimensions(), "ScaledDotProductAttention::attend");
+  }
+  return out;
+}
+
+template <typename Scalar>
+template <typename Q>
+void ScaledDotProductAttention<Scalar>::attend(const Q& queries, const KVCache<Scalar>& cache,
+                                               const AttentionOptions<Scalar>& options, Eigen::TensorMap<Tensor3> out)
+    const {
+  SDPA_DETAIL_CHECK_INPUT(Q, Scalar);
+  if constexpr (detail::is_valid_input<Q, Scalar>()) {
+    const detail::InputView<Scalar> q(queries);
+    attend_impl(q, cache, options, out.data(), out.dimensions(), "ScaledDotProductAttention::attend");
+  }
+}
+
+template <typename Scalar>
+template <typename X>
+auto ScaledDotProductAttention<Scalar>::step(const X& x, KVCache<Scalar>& cache, AttentionOptions<Scalar> options)
+    const -> Tensor3 {
+  SDPA_DETAIL_CHECK_INPUT(X, Scalar);
+  Tensor3 out;
+  if constexpr (detail::is_valid_input<X, Scalar>()) {
+    const detail::InputView<Scalar> in(x);
+    out = Tensor3(in.dims()[0], in.dims()[1], d_model_);
+    step_impl(in, cache, options, out.data(), out.dimensions());
+  }
+  return out;
+}
+
+template <typename Scalar>
+template <typename X>
+void ScaledDotProductAttention<Scalar>::step(const X& x, KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options,
+                                             Eigen::TensorMap<Tensor3> out) const {
+  SDPA_DETAIL_CHECK_INPUT(X, Scalar);
+  if constexpr (detail::is_valid_input<X, Scalar>()) {
+    const detail::InputView<Scalar> in(x);
+    step_impl(in, cache, options, out.data(), out.dimensions());
+  }
+}
+
+template <typename Scalar>
+template <typename X>
+auto ScaledDotProductAttention<Scalar>::step(const X& x, PagedKVCache<Scalar>& cache,
+                                             const std::vector<std::int64_t>& sequence_ids,
+                                             const AttentionOptions<Scalar>& options) const -> Tensor3 {
+  SDPA_DETAIL_CHECK_INPUT(X, Scalar);
+  Tensor3 out;
+  if constexpr (detail::is_valid_input<X, Scalar>()) {
+    const detail::InputView<Scalar> in(x);
+    out = Tensor3(in.dims()[0], in.dims()[1], d_model_);
+    paged_step_impl(in, cache, sequence_ids, options, out.data());
+  }
+  return out;
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::check_cache(const KVCache<Scalar>& cache, const char* where) const {
+  if (cache.d_model() != d_model_ || cache.kv_heads() != kv_heads_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
+    detail::throw_invalid(where, "cache",
+                          detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_,
+                                         ", d_v ", d_v_),
+                          detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ",
+                                         cache.d_k(), ", d_v ", cache.d_v()));
+  if (is_narrow<Scalar>(cache.storage()) && kernel_ == Kernel::kReference)
+    detail::throw_invalid(where, "the module's kernel (set_kernel)",
+                          detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage()),
+                                         " (the reference kernel reads Scalar keys only)"),
+                          "kReference");
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::check_decoding_input(const View& in, const char* name, Index batch, const char* where)
+    const {
+  if (in.dims()[2] != d_model_)
+    detail::throw_invalid(where, detail::concat(name, " dimension 2 (d_model)"), d_model_,
+                          detail::concat(in.dims()[2], " (", name, " shape ", detail::shape_string(in.dims()), ")"));
+  if (in.dims()[0] != batch)
+    detail::throw_invalid(where, detail::concat(name, " dimension 0 (batch)"), detail::concat(batch, ", the cache's batch"),
+                          detail::concat(in.dims()[0], " (", name, " shape ", detail::shape_string(in.dims()), ")"));
+  if (in.data() == nullptr && in.dims()[0] * in.dims()[1] * in.dims()[2] != 0)
+    detail::throw_invalid(where, name, "a tensor with data", "a null pointer");
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::check_output(const std::array<Index, 3>& want,
+                                                     const typename Tensor3::Dimensions& got, const char* where) {
+  if (got[0] != want[0] || got[1] != want[1] || got[2] != want[2])
+    detail::throw_invalid(where, "out", detail::concat("of shape ", detail::shape_string(want)),
+                          detail::concat("of shape ", detail::shape_string(got)));
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::check_dropped(Index first, Index position, const AttentionOptions<Scalar>& o,
+                                                      Index nq, const char* where) {
+  if (first == 0) return;
+  // A score program that says what its first query sees (Llama 4's chunks) may have let the cache drop.
+  if (o.program != nullptr && o.program->keep_from(position - nq) >= first) return;
+  const bool windowed = o.window_left >= 0;
+  if (!windowed || position - nq - o.window_left < first)
+    detail::throw_invalid(where, "window_left",
+                          detail::concat("at most ", std::max<Index>(0, position - nq - first), ": the cache holds positions ",
+                                         first, " .. ", position - 1,
+                                         " only (a sliding-window step dropped the older ones)"),
+                          o.window_left);
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::project_into_cache(const View& kv, const View& vv, KVCache<Scalar>& cache,
+                                                           const Eigen::ThreadPoolDevice* device, Scalar* q_out,
+                                                           const Index* pos) const {
+  using Target = kernels::ProjectionTarget<Scalar>;
+  const Index batch = cache.batch(), n = kv.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
+  const Index at = cache.size();
+  const bool kv_same = kv.data() == vv.data() && kv.dims() == vv.dims();
+  auto target = [](const LinearType& layer, Scalar* y, Index ldy, Index group_rows, Index group_stride) {
+    Target t = layer.target(y, ldy);
+    t.group_rows = group_rows;
+    t.group_stride = group_stride;
+    return t;
+  };
+  if (batch * n == 0) {
+    cache.advance(n);
+    return;
+  }
+  if (cache.narrow()) {
+    project_into_narrow_cache(kv, vv, kv_same, cache, device, q_out, pos);
+    cache.advance(n);
+    return;
+  }
+  if (batch * n <= 16) {
+    // A decoding step: every weight row read once for all rows; the rows of batch entry b go to the
+    // cache's entries of b (group stride: one sequence's capacity).
+    Target targets[3];
+    std::size_t count = 0;
+    if (q_out != nullptr) targets[count++] = target(fc_q_, q_out, hq, 0, 0);
+    targets[count++] = target(fc_k_, cache.key_rows(0) + at * hk, hk, n, cache.capacity() * hk);
+    if (kv_same) targets[count++] = target(fc_v_, cache.value_rows(0) + at * hv, hv, n, cache.capacity() * hv);
+    kernels::project_few_rows<Scalar>(kv.data(), batch * n, d_model_, d_model_, targets, count, device);
+    if (!kv_same) {
+      const Target tv = target(fc_v_, cache.value_rows(0) + at * hv, hv, n, cache.capacity() * hv);
+      kernels::project_few_rows<Scalar>(vv.data(), batch * n, d_model_, d_model_, &tv, 1, device);
+    }
+  } else {
+    for (Index b = 0; b < batch; ++b) {
+      std::vector<Target> targets;
+      if (q_out != nullptr) targets.push_back(target(fc_q_, q_out + b * n * hq, hq, 0, 0));
+      targets.push_back(target(fc_k_, cache.key_rows(b) + at * hk, hk, 0, 0));
+      if (kv_same) targets.push_back(target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0));
+      kernels::project_rows<Scalar>(kv.data() + b * n * d_model_, n, d_model_, targets, device);
+      if (!kv_same)
+        kernels::project_rows<Scalar>(vv.data() + b * n * d_model_, n, d_model_,
+                                      {target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0)}, device);
+    }
+  }
+  transform(cache.key_rows(0) + at * hk, batch, cache.capacity() * hk, n, hk, false, cache.position(), pos, batch * n);
+  transform(q_out, batch, n * hq, n, hq, true, cache.position(), pos, batch * n);
+  cache.advance(n);
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::project_into_narrow_cache(const View& kv, const View& vv, bool kv_same,
+    KVCache<Scalar>& cache, const Eigen::ThreadPoolDevice* device, Scalar* q_out, const Index* pos) const {
+  using Target = kernels::ProjectionTarget<Scalar>;
+  constexpr Index kStageRows = 256;
+  const Index batch = cache.batch(), n = kv.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
+  const Index at = cache.size();
+  auto target = [](const LinearType& layer, Scalar* y, Index ldy) { return layer.target(y, ldy); };
+  if (batch * n <= 16) {
+    // A decoding step: every weight row read once for all rows of the batch.
+    Scalar* sk = cache.step_scratch().stage.reset_at_least(static_cast<std::size_t>(batch * n * (hk + hv)));
+    Scalar* sv = sk + batch * n * hk;
+    Target targets[3];
+    std::size_t count = 0;
+    if (q_out != nullptr) targets[count++] = target(fc_q_, q_out, hq);
+    targets[count++] = target(fc_k_, sk, hk);
+    if (kv_same) targets[count++] = target(fc_v_, sv, hv);
+    kernels::project_few_rows<Scalar>(kv.data(), batch * n, d_model_, d_model_, targets, count, device);
+    if (!kv_same) {
+      const Target tv = target(fc_v_, sv, hv);
+      kernels::project_few_rows<Scalar>(vv.data(), batch * n, d_model_, d_model_, &tv, 1, device);
+    }
+    transform(sk, batch, n * hk, n, hk, false, cache.position(), pos, batch * n);
+    transform(q_out, batch, n * hq, n, hq, true, cache.position(), pos, batch * n);
+    for (Index b = 0; b < batch; ++b) {
+      cache.store_rows(false, b, at, sk + b * n * hk, hk, n);
+      cache.store_rows(true, b, at, sv + b * n * hv, hv, n);
+    }
+    return;
+  }
+  const Index rows = std::min(n, kStageRows);
+  Scalar* sk = cache.step_scratch().stage.reset_at_least(static_cast<std::size_t>(rows * (hk + hv)));
+  Scalar* sv = sk + rows * hk;
+  for (Index b = 0; b < batch; ++b) {
+    for (Index r0 = 0; r0 < n; r0 += rows) {
+      const Index m = std::min(rows, n - r0);
+      std::vector<Target> targets;
+      if (q_out != nullptr) targets.push_back(target(fc_q_, q_out + (b * n + r0) * hq, hq));
+      targets.push_back(target(fc_k_, sk, hk));
+      if (kv_same) targets.push_back(target(fc_v_, sv, hv));
+      kernels::project_rows<Scalar>(kv.data() + (b * n + r0) * d_model_, m, d_model_, targets, device);
+      if (!kv_same) kernels::project_rows<Scalar>(vv.data() + (b * n + r0) * d_model_, m, d_model_, {target(fc_v_, sv, hv)}, device);
+      transform(sk, 1, 0, m, hk, false, cache.position() + r0, pos == nullptr ? nullptr : pos + b * n + r0, batch * n);
+      cache.store_rows(false, b, at + r0, sk, hk, m);
+      cache.store_rows(true, b, at + r0, sv, hv, m);
+    }
+  }
+  transform(q_out, batch, n * hq, n, hq, true, cache.position(), pos, batch * n);
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::attend_projected(const Scalar* q, Index nq, const KVCache<Scalar>& cache,
+                                                         const AttentionOptions<Scalar>& options, bool causal, Scalar* att,
+                                                         kernels::DecodeWorkspace<Scalar>& workspace, Scalar* out,
+                                                         const char* where, const Scalar* x) const {
+  const Index batch = cache.batch(), nk = cache.size(), hq = h_ * d_k_, hv = h_ * d_v_;
+  kernels::AttentionProblem<Scalar> p =
+      detail::problem_of(call_shape(where, batch, nq, nk), options, masked_rows_, causal, nk - nq);
+  p.key_base = cache.first_position();  // a score program's positions are absolute
+  p.q = {q, nq * hq, hq, d_k_};
+  p.read_rows(cache.rows());  // entries stored narrower than Scalar are widened a block at a time
+  p.out = {att, nq * hv, hv, d_v_};
+  draw_dropout(p);
+  detail::run_attention(p, kernel_, &workspace, options.device);
+  apply_gate(x, batch * nq, att, att + batch * nq * hv, options.device);
+  if (batch * nq <= 16) {
+    const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
+    kernels::project_few_rows<Scalar>(att, batch * nq, hv, hv, &to, 1, options.device);
+  } else {
+    fc_o_.forward_rows(att, batch * nq, hv, out, d_model_, options.device);
+  }
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::check_decoding_options(const KVCache<Scalar>& cache,
+    const AttentionOptions<Scalar>& options, Index nq, Index nk, Index position, const char* where) const {
+  if (options.packed())
+    detail::throw_invalid(where, "cu_seqlens_q / cu_seqlens_k",
+                          "empty for a KVCache (its batch entries are the sequences; a PagedKVCache holds ragged ones)", "set");
+  detail::check_attention_options(call_shape(where, cache.batch(), nq, nk), options, /*module_call=*/true);
+  check_dropped(position - nk, position, options, nq, where);
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::attend_impl(const View& q, const KVCache<Scalar>& cache,
+                                                    const AttentionOptions<Scalar>& options, Scalar* out,
+                                                    const typename Tensor3::Dimensions& out_dims, const char* where) const {
+  check_cache(cache, where);
+  check_decoding_input(q, "queries", cache.batch(), where);
+  const Index batch = cache.batch(), nq = q.dims()[1], hq = h_ * d_k_;
+  check_output({batch, nq, d_model_}, out_dims, where);
+  check_decoding_options(cache, options, nq, cache.size(), cache.position(), where);
+  if (!options.rotary_positions.empty())
+    detail::throw_invalid(where, "rotary_positions", "empty for attend (step takes them with the tokens it appends)", "given");
+  if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, cache.size());
+  if (batch * nq == 0) return;
+  detail::Buffer<Scalar> qbuf(static_cast<std::size_t>(batch * nq * hq));
+  kernels::project_rows<Scalar>(q.data(), batch * nq, d_model_,
+                                {fc_q_.target(qbuf.data(), hq)}, options.device);
+  // The queries are the last nq positions.
+  transform(qbuf.data(), batch, nq * hq, nq, hq, true, cache.position() - nq);
+  detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * h_ * d_v_ * (gated_ ? 2 : 1)));
+  kernels::DecodeWorkspace<Scalar> workspace;
+  attend_projected(qbuf.data(), nq, cache, options, options.causal, att.data(), workspace, out, where, q.data());
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::step_impl(const View& x, KVCache<Scalar>& cache,
+                                                  const AttentionOptions<Scalar>& options, Scalar* out,
+                                                  const typename Tensor3::Dimensions& out_dims) const {
+  const char* where = "ScaledDotProductAttention::step";
+  check_cache(cache, where);
+  check_decoding_input(x, "x", cache.batch(), where);
+  const Index batch = cache.batch(), n = x.dims()[1];
+  check_output({batch, n, d_model_}, out_dims, where);
+  // Checked against the cache as it will be after the append, before anything is appended.
+  check_decoding_options(cache, options, n, cache.size() + n, cache.position() + n, where);
+  check_rotary_positions(where, options, batch, n);
+  if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, n, cache.size() + n);
+  if (n == 0 || batch == 0) return;
+  cache.make_room(n);
+  detail::StepScratch<Scalar>& scratch = cache.step_scratch();
+  Scalar* q = scratch.queries.reset_at_least(static_cast<std::size_t>(batch * n * h_ * d_k_));
+  Scalar* att = scratch.attention.reset_at_least(static_cast<std::size_t>(batch * n * h_ * d_v_ * (gated_ ? 2 : 1)));  // and the gate's
+  project_into_cache(x, x, cache, options.device, q, options.rotary_positions.empty() ? nullptr : options.rotary_positions.data());
+  attend_projected(q, n, cache, options, /*causal=*/true, att, scratch.decode, out, where, x.data());
+  // A sliding window: no later query sees the entries before position() - window_left. Once they are
+  // half of what is held they are dropped (a rolling buffer: memory stays O(window + chunk), and each
+  // entry is moved O(1) times on average).
+  // Likewise the keys before what a score program's next query can see (Llama 4's chunks: the cache keeps
+  // the current chunk).
+  Index keep = options.window_left >= 0 ? cache.position() - options.window_left : 0;
+  if (options.program != nullptr) keep = std::max(keep, options.program->keep_from(cache.position()));
+  const Index droppable = keep - cache.first_position();
+  if (droppable > 0 && 2 * droppable >= cache.size()) cache.drop_front(droppable);
+}
+
+template <typename Scalar>
+void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCache<Scalar>& cache,
+                                                        const std::vector<std::int64_t>& ids,
+                                                        const AttentionOptions<Scalar>& options, Scalar* out) const {
+  using Target = kernels::ProjectionTarget<Scalar>;
+  const char* where = "ScaledDotProductAttention::step (PagedKVCache)";
+  if (cache.d_model() != d_model_ || cache.kv_heads() != kv_heads_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
+    detail::throw_invalid(where, "cache",
+                          detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_, ", d_v ", d_v_),
+                          detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ",
+                                         cache.d_k(), ", d_v ", cache.d_v()));
+  if (is_narrow<Scalar>(cache.storage()) && kernel_ == Kernel::kReference)
+    detail::throw_invalid(where, "the module's kernel (set_kernel)",
+                          detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage())), "kReference");
+  const Index n_seq = static_cast<Index>(ids.size());
+  check_decoding_input(x, "x", n_seq, where);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (!cache.contains(ids[i]))
+      detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), "the id of a sequence of the cache", ids[i]);
+    for (std::size_t j = 0; j < i; ++j)
+      if (ids[j] == ids[i])
+        detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), detail::concat("distinct from sequence_ids[", j, "]"),
+                              ids[i]);
+  }
+  const char* unsupported = options.attention_mask != nullptr      ? "attention_mask"
+                            : options.attention_weights != nullptr ? "attention_weights"
+                            : options.attention_bias != nullptr    ? "attention_bias"
+                            : !options.key_lengths.empty()         ? "key_lengths"
+                            : options.probabilities != nullptr     ? "probabilities"
+                            : options.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
+                            : !options.rotary_positions.empty()    ? "rotary_positions"
+                                                                   : nullptr;
+  if (unsupported != nullptr)
+    detail::throw_invalid(where, unsupported, "unset for a PagedKVCache step (its sequences are ragged)", "set");
+  const Index t = x.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_, ha = h_ * d_v_;
+  // The keys of the step's longest sequence, after the append.
+  Index nk = 0;
+  for (std::int64_t id : ids) nk = std::max(nk, cache.size(id) + t);
+  detail::check_attention_options(call_shape(where, n_seq, t, nk), options, /*module_call=*/true);
+  for (std::int64_t id : ids) check_dropped(cache.first_position(id), cache.position(id) + t, options, t, where);
+  if (n_seq * t == 0) return;
+  // Room for the new entries (refused before anything changes).
+  cache.make_room(ids, t, where);
+
+  // Queries, keys and values of every new token: few-row projections (each weight row read once for all
+  // rows, and the bits a single sequence's step gets) for up to 16 tokens per sequence.
+  const Index rows = n_seq * t;
+  detail::StepScratch<Scalar>& scratch = cache.step_scratch();
+  Scalar* q = scratch.queries.reset_at_least(static_cast<std::size_t>(rows * hq));
+  Scalar* sk = scratch.stage.reset_at_least(static_cast<std::size_t>(rows * (hk + hv)));
+  Scalar* sv = sk + rows * hk;
+  const Target targets[3] = {fc_q_.target(q, hq), fc_k_.target(sk, hk), fc_v_.target(sv, hv)};
+  if (t <= 16)
+    kernels::project_few_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
+  else
+    kernels::project_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
+  // Each sequence's new rows at its own positions, then into its blocks.
+  std::vector<const Index*> tables(static_cast<std::size_t>(n_seq));
+  std::vector<Index> lengths(static_cast<std::size_t>(n_seq)), offsets(static_cast<std::size_t>(n_seq)),
+      bases(static_cast<std::size_t>(n_seq));
+  for (Index i = 0; i < n_seq; ++i) {
+    const std::int64_t id = ids[static_cast<std::size_t>(i)];
+    transform(sk + i * t * hk, 1, 0, t, hk, false, cache.position(id));
+    transform(q + i * t * hq, 1, 0, t, hq, true, cache.position(id));
+    cache.store_rows(id, false, sk + i * t * hk, hk, t);
+    cache.store_rows(id, true, sv + i * t * hv, hv, t);
+    cache.advance(id, t);
+    tables[static_cast<std::size_t>(i)] = cache.block_table(id);
+    lengths[static_cast<std::size_t>(i)] = cache.size(id);
+    offsets[static_cast<std::size_t>(i)] = cache.size(id) - t;
+    bases[static_cast<std::size_t>(i)] = cache.first_position(id);  // a score program's positions are absolute
+  }
+
+  // The attention of each sequence's queries to its own entries: batch entry i is sequence ids[i], its keys
+  // found through its block table, hidden past its length, its queries at its last positions.
+  AttentionOptions<Scalar> own = options;
+  own.key_lengths = lengths;
+  kernels::AttentionProblem<Scalar> p = detail::problem_of(call_shape(where, n_seq, t, nk), own, masked_rows_, true, 0);
+  p.query_offsets = offsets.data();
+  p.key_bases = bases.data();
+  p.q = {q, t * hq, hq, d_k_};
+  p.block_tables = tables.data();
+  p.block_rows = cache.block_size();
+  p.read_rows(cache.rows());
+  Scalar* att = scratch.attention.reset_at_least(static_cast<std::size_t>(rows * ha * (gated_ ? 2 : 1)));
+  p.out = {att, t * ha, ha, d_v_};
+  draw_dropout(p);
+  detail::run_attention(p, kernel_, &scratch.decode, options.device);
+  apply_gate(x.data(), rows, att, att + rows * ha, options.device);
+  if (t <= 16) {
+    const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
+    kernels::project_few_rows<Scalar>(att, rows, ha, ha, &to, 1, options.device);
+  } else {
+    fc_o_.forward_rows(att, rows, ha, out, d_model_, options.device);
+  }
+  if (options.window_left >= 0)
+    for (std::int64_t id : ids) cache.drop_hidden(id, options.window_left);
+}
+
+SDPA_NAMESPACE_END
