@@ -1,5 +1,5 @@
 // The one place sdpa includes Eigen. sdpa needs Eigen's ThreadPoolDevice, which the Tensor module defines
-// only under EIGEN_USE_THREADS: it is defined here unless the consumer already did (the README tells them
+// only under EIGEN_USE_THREADS: it is defined here unless the consumer already did (docs/options.md tells them
 // to, on the command line); an earlier inclusion of the Tensor module without it is completed by the
 // second inclusion here. The intrinsics come first, through detail/intrinsics.hpp, so that GCC 12's false
 // warnings inside them stay silenced wherever Eigen's packets are inlined.
