@@ -262,4 +262,51 @@ TEST(PagedKVCache, RefusesBadArguments) {
   EXPECT_EQ(paged.blocks_used(), 0);
 }
 
+
+// The caches' public decoding interface, as another user than the module would drive it: rows stored after
+// the held ones become held on advance, read back exactly (float storage), and a write or advance beyond
+// the room taken is refused, naming n and the room.
+TEST(CacheInterface, StoreAdvanceAndRefusals) {
+  Rng rng(31);
+  Module m = make_module(rng);
+  const Index width = m.kv_heads() * m.d_k();  // d_k == d_v here
+  std::vector<float> k(static_cast<std::size_t>(3 * width)), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>(i) * 0.5f, v[i] = -static_cast<float>(i);
+
+  Cache cache(m, /*batch=*/1);
+  cache.make_room(3);
+  cache.store_rows(false, 0, 0, k.data(), width, 3);
+  cache.store_rows(true, 0, 0, v.data(), width, 3);
+  EXPECT_EQ(cache.size(), 0);
+  cache.advance(3);
+  EXPECT_EQ(cache.size(), 3);
+  EXPECT_EQ(cache.position(), 3);
+  const Tensor3 keys = cache.keys(), values = cache.values();
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    EXPECT_EQ(keys.data()[i], k[i]);
+    EXPECT_EQ(values.data()[i], v[i]);
+  }
+  EXPECT_EQ(cache.rows().k.data, cache.key_rows(0));
+  expect_invalid([&] { cache.advance(cache.capacity()); }, {"KVCache::advance", "n", "room"});
+  expect_invalid([&] { cache.make_room(-1); }, {"KVCache::make_room", "extra"});
+
+  Paged paged(m, /*block_size=*/16, /*max_blocks=*/4);
+  const Id id = paged.add_sequence();
+  paged.make_room({id}, 3);
+  paged.store_rows(id, false, k.data(), width, 3);
+  paged.store_rows(id, true, v.data(), width, 3);
+  paged.advance(id, 3);
+  EXPECT_EQ(paged.size(id), 3);
+  EXPECT_EQ(paged.block_table(id)[0], 0);  // the lowest block is taken first
+  const Tensor3 pk = paged.keys(id), pv = paged.values(id);
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    EXPECT_EQ(pk.data()[i], k[i]);
+    EXPECT_EQ(pv.data()[i], v[i]);
+  }
+  expect_invalid([&] { paged.store_rows(id, false, k.data(), width, 14); }, {"PagedKVCache::store_rows", "n", "[0, 13]"});
+  expect_invalid([&] { paged.advance(id, 14); }, {"PagedKVCache::advance", "n", "[0, 13]"});
+  expect_invalid([&] { paged.advance(id, -1); }, {"PagedKVCache::advance", "n"});
+  EXPECT_EQ(paged.size(id), 3);
+}
+
 }  // namespace paged_kv_cache_test

@@ -189,11 +189,7 @@ class PagedKVCache {
   // of kv_heads * d (row stride ld), converted to the storage, in blocks that make_room took.
   void store_rows(SequenceId id, bool values, const Scalar* src, Index ld, Index n) {
     Sequence& s = find("PagedKVCache::store_rows", id);
-    if (n < 0 || s.size + n > static_cast<Index>(s.blocks.size()) * block_size_)
-      detail::throw_invalid("PagedKVCache::store_rows", "n",
-                            detail::concat("in [0, ", static_cast<Index>(s.blocks.size()) * block_size_ - s.size,
-                                           "] (the room make_room took)"),
-                            n);
+    check_room("PagedKVCache::store_rows", s, n);
     const Index d = values ? d_v_ : d_k_;
     for (Index i = 0; i < n;) {
       const Index row = physical(s, s.size + i), run = std::min(n - i, block_size_ - (s.size + i) % block_size_);
@@ -205,11 +201,7 @@ class PagedKVCache {
   // The n entries written after the sequence's held ones become held: size and position grow by n.
   void advance(SequenceId id, Index n) {
     Sequence& s = find("PagedKVCache::advance", id);
-    if (n < 0 || s.size + n > static_cast<Index>(s.blocks.size()) * block_size_)
-      detail::throw_invalid("PagedKVCache::advance", "n",
-                            detail::concat("in [0, ", static_cast<Index>(s.blocks.size()) * block_size_ - s.size,
-                                           "] (the room make_room took)"),
-                            n);
+    check_room("PagedKVCache::advance", s, n);
     s.size += n;
     s.position += n;
   }
@@ -287,6 +279,12 @@ class PagedKVCache {
     const auto it = sequences_.find(id);
     if (it == sequences_.end()) detail::throw_invalid(where, "sequence id", "the id of a sequence of this cache", id);
     return it->second;
+  }
+
+  // n new entries must fit the blocks the sequence holds after its held entries (make_room took them).
+  void check_room(const char* where, const Sequence& s, Index n) const {
+    const Index room = static_cast<Index>(s.blocks.size()) * block_size_ - s.size;
+    if (n < 0 || n > room) detail::throw_invalid(where, "n", detail::concat("in [0, ", room, "] (the room make_room took)"), n);
   }
 
   void release(Index block) {
