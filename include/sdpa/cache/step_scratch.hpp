@@ -7,6 +7,8 @@
 
 #include "sdpa/config.hpp"
 
+#include <utility>
+
 #include "sdpa/detail/buffer.hpp"
 #include "sdpa/kernels/decode.hpp"
 
