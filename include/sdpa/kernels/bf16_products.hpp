@@ -32,6 +32,7 @@
 #include "sdpa/compute.hpp"
 #include "sdpa/kernels/tile_products.hpp"
 #include "sdpa/simd/bf16.hpp"
+#include "sdpa/simd/dispatch.hpp"
 #include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
@@ -39,12 +40,15 @@ namespace kernels {
 
 // n floats at x rounded to bfloat16 and back (sdpa::to_bfloat16's rounding), on the path `isa`.
 inline void round_to_bf16(Isa isa, const float* x, Eigen::Index n, float* out) noexcept {
+  simd::with_isa(isa, [&](auto path) {
 #if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::round_to_bf16(x, n, out);
-  if (isa == Isa::kAvx2) return avx2::round_to_bf16(x, n, out);
+    if constexpr (decltype(path)::value == Isa::kAvx512) return avx512::round_to_bf16(x, n, out);
+    else if constexpr (decltype(path)::value == Isa::kAvx2) return avx2::round_to_bf16(x, n, out);
+#else
+    (void)path;
 #endif
-  (void)isa;
-  for (Eigen::Index i = 0; i < n; ++i) out[i] = bfloat16_to_float(to_bfloat16(x[i]).bits);
+    for (Eigen::Index i = 0; i < n; ++i) out[i] = bfloat16_to_float(to_bfloat16(x[i]).bits);
+  });
 }
 
 class Bf16TileProducts {

@@ -1,8 +1,10 @@
-// The run-time choice between the per-ISA kernels (sdpa::avx512, sdpa::avx2, sdpa::portable): each
-// function takes the Isa a kernel call read at its start (sdpa/cpu.hpp) and runs that path's version.
-// Where a path has no version of its own for a type (the softmax exponent in double), the portable one
-// serves. with_gemm_kernel hands a GEMM's loops the micro-kernel type of the path, so that the loops are
-// instantiated once per path and run without a branch inside.
+// The run-time choice between the per-ISA kernels (sdpa::avx512, sdpa::avx2, sdpa::portable), made in one
+// place: with_isa(isa, f) calls f with the path as a type (IsaPath<Isa::k...>), and SDPA_SIMD_CALL(isa, fn,
+// args...) runs namespace <path>::fn(args...) through it. Each function below takes the Isa a kernel call
+// read at its start (sdpa/cpu.hpp) and runs that path's version; where a path has no version of its own for
+// a type (the softmax exponent in double), the portable one serves. with_gemm_kernel hands a GEMM's loops
+// the micro-kernel type of the path, so that the loops are instantiated once per path and run without a
+// branch inside.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -21,28 +23,62 @@
 SDPA_NAMESPACE_BEGIN
 namespace simd {
 
+// The path `isa` names, as a type: f(IsaPath<isa>{}) for the paths this build has (only the portable one
+// without SDPA_DISPATCH). Every per-ISA call goes through here.
+template <Isa kIsa>
+using IsaPath = std::integral_constant<Isa, kIsa>;
+
+template <typename F>
+decltype(auto) with_isa(Isa isa, F&& f) {
+#if SDPA_DISPATCH
+  if (isa == Isa::kAvx512) return f(IsaPath<Isa::kAvx512>{});
+  if (isa == Isa::kAvx2) return f(IsaPath<Isa::kAvx2>{});
+#endif
+  (void)isa;
+  return f(IsaPath<Isa::kPortable>{});
+}
+
+// namespace <path of isa>::fn(args...), through with_isa.
+#if SDPA_DISPATCH
+#define SDPA_SIMD_CALL(isa, fn, ...)                                                   \
+  ::sdpa::simd::with_isa(isa, [&](auto sdpa_path_) -> decltype(auto) {                 \
+    if constexpr (decltype(sdpa_path_)::value == ::sdpa::Isa::kAvx512)                 \
+      return ::sdpa::SDPA_ABI_NAMESPACE::avx512::fn(__VA_ARGS__);                      \
+    else if constexpr (decltype(sdpa_path_)::value == ::sdpa::Isa::kAvx2)              \
+      return ::sdpa::SDPA_ABI_NAMESPACE::avx2::fn(__VA_ARGS__);                        \
+    else                                                                               \
+      return ::sdpa::SDPA_ABI_NAMESPACE::portable::fn(__VA_ARGS__);                    \
+  })
+#else
+#define SDPA_SIMD_CALL(isa, fn, ...) ((void)(isa), ::sdpa::SDPA_ABI_NAMESPACE::portable::fn(__VA_ARGS__))
+#endif
+
 // f(Kernel{}) with the GEMM micro-kernel of `isa` for Scalar.
 template <typename Scalar, typename F>
 decltype(auto) with_gemm_kernel(Isa isa, F&& f) {
+  return with_isa(isa, [&](auto path) -> decltype(auto) {
 #if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return f(avx512::GemmKernel<Scalar>{});
-  if (isa == Isa::kAvx2) return f(avx2::GemmKernel<Scalar>{});
+    if constexpr (decltype(path)::value == Isa::kAvx512) return f(avx512::GemmKernel<Scalar>{});
+    else if constexpr (decltype(path)::value == Isa::kAvx2) return f(avx2::GemmKernel<Scalar>{});
+    else return f(portable::GemmKernel<Scalar>{});
 #else
-  (void)isa;
+    (void)path;
+    return f(portable::GemmKernel<Scalar>{});
 #endif
-  return f(portable::GemmKernel<Scalar>{});
+  });
+}
+
+// The path for a row function that only the portable path has for Scalar other than float.
+template <typename Scalar>
+Isa float_path(Isa isa) noexcept {
+  return std::is_same<Scalar, float>::value ? isa : Isa::kPortable;
 }
 
 // x[j] = exp(x[j] - shift) for j < n, returning their sum: the softmax's pass over a row of scores; exactly
 // 0 for hidden keys (-inf).
 template <typename Scalar>
 Scalar exp_shifted_sum(Isa isa, Scalar* x, Eigen::Index n, Scalar shift) noexcept {
-#if SDPA_DISPATCH
-  if constexpr (std::is_same<Scalar, float>::value) {
-    if (isa == Isa::kAvx512) return avx512::exp_shifted_sum(x, n, shift);
-    if (isa == Isa::kAvx2) return avx2::exp_shifted_sum(x, n, shift);
-  }
-#endif
+  if constexpr (std::is_same<Scalar, float>::value) return SDPA_SIMD_CALL(isa, exp_shifted_sum, x, n, shift);
   (void)isa;
   return portable::exp_shifted_sum(x, n, shift);
 }
@@ -54,12 +90,7 @@ Scalar exp_shifted_sum(Isa isa, Scalar* x, Eigen::Index n, Scalar shift) noexcep
 // returns; x[*done, n) is untouched.
 template <typename Scalar>
 Scalar exp_shifted_sum_below(Isa isa, Scalar* x, Eigen::Index n, Scalar shift, Scalar limit, Eigen::Index* done) noexcept {
-#if SDPA_DISPATCH
-  if constexpr (std::is_same<Scalar, float>::value) {
-    if (isa == Isa::kAvx512) return avx512::exp_shifted_sum_below(x, n, shift, limit, done);
-    if (isa == Isa::kAvx2) return avx2::exp_shifted_sum_below(x, n, shift, limit, done);
-  }
-#endif
+  if constexpr (std::is_same<Scalar, float>::value) return SDPA_SIMD_CALL(isa, exp_shifted_sum_below, x, n, shift, limit, done);
   (void)isa;
   return portable::exp_shifted_sum_below(x, n, shift, limit, done);
 }
@@ -67,12 +98,7 @@ Scalar exp_shifted_sum_below(Isa isa, Scalar* x, Eigen::Index n, Scalar shift, S
 // x[j] = cap * tanh(x[j] / cap) for j < n: the logit softcap (Gemma 2), cap > 0.
 template <typename Scalar>
 void softcap(Isa isa, Scalar* x, Eigen::Index n, Scalar cap) noexcept {
-#if SDPA_DISPATCH
-  if constexpr (std::is_same<Scalar, float>::value) {
-    if (isa == Isa::kAvx512) return avx512::softcap_row(x, n, cap);
-    if (isa == Isa::kAvx2) return avx2::softcap_row(x, n, cap);
-  }
-#endif
+  if constexpr (std::is_same<Scalar, float>::value) return SDPA_SIMD_CALL(isa, softcap_row, x, n, cap);
   (void)isa;
   portable::softcap_row(x, n, cap);
 }
@@ -80,34 +106,19 @@ void softcap(Isa isa, Scalar* x, Eigen::Index n, Scalar cap) noexcept {
 // The largest of x[0 .. n), n > 0 (a NaN may or may not win).
 template <typename Scalar>
 Scalar row_max(Isa isa, const Scalar* x, Eigen::Index n) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::row_max(x, n);
-  if (isa == Isa::kAvx2) return avx2::row_max(x, n);
-#endif
-  (void)isa;
-  return portable::row_max(x, n);
+  return SDPA_SIMD_CALL(isa, row_max, x, n);
 }
 
 template <typename Scalar>
 Scalar dot(Isa isa, const Scalar* a, const Scalar* b, Eigen::Index n) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::dot(a, b, n);
-  if (isa == Isa::kAvx2) return avx2::dot(a, b, n);
-#endif
-  (void)isa;
-  return portable::dot(a, b, n);
+  return SDPA_SIMD_CALL(isa, dot, a, b, n);
 }
 
 // acc[0, n) += sum over j < m of w[j] * rows[j * stride + (0, n)].
 template <typename Scalar>
 void add_weighted_rows(Isa isa, Scalar* acc, Eigen::Index n, const Scalar* w, const Scalar* rows, Eigen::Index stride,
                        Eigen::Index m) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::add_weighted_rows(acc, n, w, rows, stride, m);
-  if (isa == Isa::kAvx2) return avx2::add_weighted_rows(acc, n, w, rows, stride, m);
-#endif
-  (void)isa;
-  portable::add_weighted_rows(acc, n, w, rows, stride, m);
+  SDPA_SIMD_CALL(isa, add_weighted_rows, acc, n, w, rows, stride, m);
 }
 
 // The decoding step's scores of a chunk of keys (generic_rows.inc's chunk_scores).
@@ -115,47 +126,27 @@ template <typename Scalar>
 void chunk_scores(Isa isa, const Scalar* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n, const Scalar* q,
                   Eigen::Index q_head, Eigen::Index q_row, Eigen::Index heads, Eigen::Index group, Eigen::Index nq,
                   Eigen::Index d, Scalar scale, Scalar* s, Eigen::Index lds) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::chunk_scores(k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
-  if (isa == Isa::kAvx2) return avx2::chunk_scores(k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
-#endif
-  (void)isa;
-  portable::chunk_scores(k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+  SDPA_SIMD_CALL(isa, chunk_scores, k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
 }
 
 // Stored rows widened to float (generic_rows.inc's widen_rows): T is BFloat16, Float16 or std::int8_t.
 template <typename T>
 void widen_rows(Isa isa, const T* src, Eigen::Index lds, Eigen::Index rows, Eigen::Index cols, const float* scales,
                 Eigen::Index scale_stride, Eigen::Index span, float* dst, Eigen::Index ldd) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::widen_rows(src, lds, rows, cols, scales, scale_stride, span, dst, ldd);
-  if (isa == Isa::kAvx2) return avx2::widen_rows(src, lds, rows, cols, scales, scale_stride, span, dst, ldd);
-#endif
-  (void)isa;
-  portable::widen_rows(src, lds, rows, cols, scales, scale_stride, span, dst, ldd);
+  SDPA_SIMD_CALL(isa, widen_rows, src, lds, rows, cols, scales, scale_stride, span, dst, ldd);
 }
 
 // a . b with a stored as bfloat16 or float16 (generic_rows.inc's dot_stored).
 template <typename T>
 float dot_stored(Isa isa, const T* a, const float* b, Eigen::Index n) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::dot_stored(a, b, n);
-  if (isa == Isa::kAvx2) return avx2::dot_stored(a, b, n);
-#endif
-  (void)isa;
-  return portable::dot_stored(a, b, n);
+  return SDPA_SIMD_CALL(isa, dot_stored, a, b, n);
 }
 
 // out[r] = a . b[r * ldb, +n) for r < rows: dot (T = Scalar) or dot_stored (T bfloat16 / float16, Scalar
 // float) of each row, with their bits (generic_rows.inc's dot_rows).
 template <typename T, typename Scalar>
 void dot_rows(Isa isa, const T* a, const Scalar* b, Eigen::Index ldb, Eigen::Index rows, Eigen::Index n, Scalar* out) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::dot_rows(a, b, ldb, rows, n, out);
-  if (isa == Isa::kAvx2) return avx2::dot_rows(a, b, ldb, rows, n, out);
-#endif
-  (void)isa;
-  portable::dot_rows(a, b, ldb, rows, n, out);
+  SDPA_SIMD_CALL(isa, dot_rows, a, b, ldb, rows, n, out);
 }
 
 // Whether int8 keys' integer products run on the VNNI instructions on this path (simd/vnni.hpp): the
@@ -181,24 +172,24 @@ void chunk_scores_stored(Isa isa, const T* k, Eigen::Index k_row, Eigen::Index k
       return avx_vnni::int8_scores(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
     }
   }
-  if (isa == Isa::kAvx512)
-    return avx512::chunk_scores_stored(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
-  if (isa == Isa::kAvx2)
-    return avx2::chunk_scores_stored(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
 #endif
-  (void)isa;
-  portable::chunk_scores_stored(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+  SDPA_SIMD_CALL(isa, chunk_scores_stored, k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d,
+                 scale, s, lds);
 }
 
 // Whether chunk_scores_stored sums int8 keys' products in integers on this path, against each query rounded
 // to int16 (generic_int8.inc's int8_chunk_scores), for head sizes up to kInt16QueryMaxLength.
 inline bool int8_integer_products(Isa isa) noexcept {
+  return with_isa(isa, [](auto path) {
 #if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::Vec<float>::kInt8Products;
-  if (isa == Isa::kAvx2) return avx2::Vec<float>::kInt8Products;
+    if constexpr (decltype(path)::value == Isa::kAvx512) return avx512::Vec<float>::kInt8Products;
+    else if constexpr (decltype(path)::value == Isa::kAvx2) return avx2::Vec<float>::kInt8Products;
+    else return false;
+#else
+    (void)path;
+    return false;
 #endif
-  (void)isa;
-  return false;
+  });
 }
 
 // The instructions that multiply int8 keys by queries on this path, for reports and test names.
@@ -211,12 +202,7 @@ inline const char* int8_products_name(Isa isa) noexcept {
 template <typename T>
 void add_weighted_rows_stored(Isa isa, float* acc, Eigen::Index n, const float* w, const T* rows, Eigen::Index stride,
                               const float* scales, Eigen::Index scale_stride, Eigen::Index m, Eigen::Index ahead = 0) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m, ahead);
-  if (isa == Isa::kAvx2) return avx2::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m, ahead);
-#endif
-  (void)isa;
-  portable::add_weighted_rows_stored(acc, n, w, rows, stride, scales, scale_stride, m, ahead);
+  SDPA_SIMD_CALL(isa, add_weighted_rows_stored, acc, n, w, rows, stride, scales, scale_stride, m, ahead);
 }
 
 // add_weighted_rows_stored for `heads` query heads over the same rows (generic_rows.inc's
@@ -227,27 +213,21 @@ void add_weighted_rows_stored_heads(Isa isa, float* acc, Eigen::Index acc_head, 
                                     Eigen::Index w_head, const T* rows, Eigen::Index stride, Eigen::Index head_stride,
                                     const float* scales, Eigen::Index scale_stride, Eigen::Index heads, Eigen::Index group,
                                     Eigen::Index m, Eigen::Index ahead) noexcept {
-#if SDPA_DISPATCH
-  if (isa == Isa::kAvx512)
-    return avx512::add_weighted_rows_stored_heads(acc, acc_head, n, w, w_head, rows, stride, head_stride, scales, scale_stride,
-                                                  heads, group, m, ahead);
-  if (isa == Isa::kAvx2)
-    return avx2::add_weighted_rows_stored_heads(acc, acc_head, n, w, w_head, rows, stride, head_stride, scales, scale_stride,
-                                                heads, group, m, ahead);
-#endif
-  (void)isa;
-  portable::add_weighted_rows_stored_heads(acc, acc_head, n, w, w_head, rows, stride, head_stride, scales, scale_stride, heads,
-                                           group, m, ahead);
+  SDPA_SIMD_CALL(isa, add_weighted_rows_stored_heads, acc, acc_head, n, w, w_head, rows, stride, head_stride, scales,
+                 scale_stride, heads, group, m, ahead);
 }
 
 // The natural order of the features of an accumulator that add_weighted_rows_stored filled from bfloat16
 // rows (generic_rows.inc's unpair_features; nothing to do on the portable path).
 inline void unpair_features(Isa isa, float* acc, Eigen::Index n) noexcept {
+  with_isa(isa, [&](auto path) {
 #if SDPA_DISPATCH
-  if (isa == Isa::kAvx512) return avx512::unpair_features(acc, n);
-  if (isa == Isa::kAvx2) return avx2::unpair_features(acc, n);
+    if constexpr (decltype(path)::value == Isa::kAvx512) avx512::unpair_features(acc, n);
+    else if constexpr (decltype(path)::value == Isa::kAvx2) avx2::unpair_features(acc, n);
+#else
+    (void)path, (void)acc, (void)n;
 #endif
-  (void)isa, (void)acc, (void)n;
+  });
 }
 
 // Philox words of the first blocks of [k4_begin, k4_begin + blocks) of row (bh, q) that the path computes
@@ -256,17 +236,19 @@ inline void unpair_features(Isa isa, float* acc, Eigen::Index n) noexcept {
 inline std::int64_t philox_fill(Isa isa, std::uint32_t key0, std::uint32_t key1, std::uint32_t call, std::int64_t bh,
                                 std::int64_t q, std::int64_t k4_begin, std::int64_t blocks, std::uint32_t* out) noexcept {
   std::int64_t i = 0;
-#if SDPA_DISPATCH
   const auto run = [&](auto width, auto fill) {
     for (; i + width <= blocks; i += width)
       fill(key0, key1, call, static_cast<std::uint32_t>(bh), static_cast<std::uint32_t>(q),
            static_cast<std::uint32_t>(k4_begin + i), out + 4 * i);
   };
-  if (isa == Isa::kAvx512) run(std::int64_t{avx512::Words::width}, avx512::philox_blocks);
-  else if (isa == Isa::kAvx2) run(std::int64_t{avx2::Words::width}, avx2::philox_blocks);
+  with_isa(isa, [&](auto path) {
+#if SDPA_DISPATCH
+    if constexpr (decltype(path)::value == Isa::kAvx512) run(std::int64_t{avx512::Words::width}, avx512::philox_blocks);
+    else if constexpr (decltype(path)::value == Isa::kAvx2) run(std::int64_t{avx2::Words::width}, avx2::philox_blocks);
 #else
-  (void)isa, (void)key0, (void)key1, (void)call, (void)bh, (void)q, (void)k4_begin, (void)blocks, (void)out;
+    (void)path, (void)run;
 #endif
+  });
   return i;
 }
 
