@@ -29,6 +29,7 @@
 
 #include "sdpa/attention/checks.hpp"
 #include "sdpa/attention/run.hpp"
+#include "sdpa/attention/saved.hpp"
 #include "sdpa/cpu.hpp"
 #include "sdpa/detail/inputs.hpp"
 #include "sdpa/error.hpp"
@@ -98,16 +99,9 @@ class AttentionState {
 
   bool filled_ = false;
   bool varlen_ = false;  // filled by attention_varlen: its backward is attention_varlen_backward
-  detail::CallShape shape_;
   std::array<Eigen::Index, 4> q_dims_{}, k_dims_{}, v_dims_{};
-  Tensor4<Scalar> q_, k_, v_, out_;
-  std::vector<Scalar> lse_;
-  AttentionOptions<Scalar> options_;  // without probabilities and rotary (the copy below)
-  Rotary rotary_;
-  bool has_rotary_ = false;
-  bool dropout_ = false;
-  DropoutSampler sampler_{0, 0, 0.0};
-  Scalar keep_scale_ = Scalar(1);
+  Tensor4<Scalar> q_, k_, v_, out_;  // as the kernel read them (q and k rotated when a rotary was given)
+  detail::SavedAttention<Scalar> saved_;  // shape, log-sum-exp, options, rotary, dropout draw
 };
 
 // The gradients of attention's inputs: q, k, v in their shapes and layout; the attention_weights' and
@@ -258,7 +252,7 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
     AttentionState<Scalar>& s = *state;
     s = AttentionState<Scalar>();
     s.filled_ = true;
-    s.shape_ = c;
+    s.saved_.shape = c;
     s.q_dims_ = qi.dims();
     s.k_dims_ = ki.dims();
     s.v_dims_ = vi.dims();
@@ -269,21 +263,15 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
     if (options.rotary != nullptr) {
       s.q_ = std::move(q_rot);
       s.k_ = std::move(k_rot);
-      s.rotary_ = *options.rotary;
-      s.has_rotary_ = true;
     } else {
       copy(qi.data(), qi.dims(), s.q_);
       copy(ki.data(), ki.dims(), s.k_);
     }
     copy(vi.data(), vi.dims(), s.v_);
     copy(out.data(), out.dimensions(), s.out_);
-    s.lse_ = std::move(lse);
-    s.options_ = options;
-    s.options_.probabilities = nullptr;
-    s.options_.rotary = nullptr;
-    s.dropout_ = p.dropout;
-    s.sampler_ = p.sampler;
-    s.keep_scale_ = p.keep_scale;
+    s.saved_.lse = std::move(lse);
+    s.saved_.keep_options(options);
+    s.saved_.keep_draw(p);
   }
   return out;
 }
@@ -318,8 +306,8 @@ template <typename Scalar>
 AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, const std::array<Eigen::Index, 4>& grad_dims,
                                                    const AttentionState<Scalar>& s, const char* where) {
   using Index = Eigen::Index;
-  const detail::CallShape& c = s.shape_;
-  const AttentionOptions<Scalar>& o = s.options_;
+  const detail::CallShape& c = s.saved_.shape;
+  const AttentionOptions<Scalar>& o = s.saved_.options;
   const Layout layout = o.layout;
   detail::CallShape checked = c;
   checked.where = where;
@@ -360,10 +348,7 @@ AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, cons
   p.k = detail::heads_of(kd, s.k_.dimensions(), layout);
   p.v = detail::heads_of(vd, s.v_.dimensions(), layout);
   p.out = detail::heads_of(const_cast<Scalar*>(s.out_.data()), s.out_.dimensions(), layout);
-  p.lse = const_cast<Scalar*>(s.lse_.data());
-  p.dropout = s.dropout_;
-  p.sampler = s.sampler_;
-  p.keep_scale = s.keep_scale_;
+  s.saved_.replay(p);
   kernels::BackwardProblem<Scalar> bp;
   bp.forward = &p;
   bp.d_out = detail::heads_of(grad_data, grad_dims, layout);
@@ -393,14 +378,14 @@ AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, cons
   }
   g.tables = tables.finish(status, where);
   // The gradients of the rotated q and k, rotated back.
-  if (s.has_rotary_) {
+  if (s.saved_.has_rotary) {
     const bool packed = o.packed();
     if (g.q.size() > 0)
-      detail::rotate_rows(s.rotary_, detail::heads_of(g.q.data(), g.q.dimensions(), layout), c.batch, c.nq, c.heads, c.d_k,
+      detail::rotate_rows(s.saved_.rotary, detail::heads_of(g.q.data(), g.q.dimensions(), layout), c.batch, c.nq, c.heads, c.d_k,
                           c.nk - c.nq, packed ? &o.cu_seqlens_q : nullptr, packed ? &o.cu_seqlens_k : nullptr,
                           /*inverse=*/true);
     if (g.k.size() > 0)
-      detail::rotate_rows(s.rotary_, detail::heads_of(g.k.data(), g.k.dimensions(), layout), c.batch, c.nk, c.kv_heads, c.d_k,
+      detail::rotate_rows(s.saved_.rotary, detail::heads_of(g.k.data(), g.k.dimensions(), layout), c.batch, c.nk, c.kv_heads, c.d_k,
                           Index{0}, packed ? &o.cu_seqlens_k : nullptr, static_cast<const std::vector<Index>*>(nullptr),
                           /*inverse=*/true);
   }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "sdpa/attention/saved.hpp"
 #include "sdpa/detail/buffer.hpp"
 #include "sdpa/options.hpp"
 #include "sdpa/random.hpp"
@@ -53,12 +54,9 @@ class ForwardState {
   detail::Buffer<Scalar> att_;              // (batch * nq, h * d_v): the attention output before fc_o (and the gate)
   detail::Buffer<Scalar> pre_q_, pre_k_;    // with a QK-norm: the projected q (h * d_k) and k rows before it
   detail::Buffer<Scalar> gate_, gated_;     // with an output gate: sigmoid(fc_g(queries)), and att_ times it
-  std::vector<Scalar> lse_;                 // (batch, h, nq)
-  AttentionOptions<Scalar> options_;        // without probabilities and device
-  bool dropout_ = false;
-  DropoutSampler sampler_{0, 0, 0.0};
-  Scalar keep_scale_ = Scalar(1);
-  Compute compute_ = Compute::kFloat;       // the module's products' type in the forward (set_compute)
+  // The options, each row's log-sum-exp (batch, h, nq), the dropout draw and the module's products' type
+  // in the forward (set_compute): what every backward keeps (sdpa/attention/saved.hpp).
+  detail::SavedAttention<Scalar> saved_;
 };
 
 SDPA_NAMESPACE_END

@@ -83,14 +83,10 @@ class RingState {
   friend AttentionGradients<S> ring_attention_backward(const Tensor4<S>&, const RingState<S>&, MPI_Comm, RingStats*);
 
   bool filled_ = false;
-  ::sdpa::detail::CallShape shape_;
   int ranks_ = 0, rank_ = 0;
-  Tensor4<Scalar> q_, k_, v_, out_;
-  std::vector<Scalar> lse_;
-  AttentionOptions<Scalar> options_;  // without rotary (the copy below)
+  Tensor4<Scalar> q_, k_, v_, out_;  // this rank's rows, q rotated when a rotary was given
+  ::sdpa::detail::SavedAttention<Scalar> saved_;  // shape, log-sum-exp, options, rotary
   RingOptions ring_;
-  Rotary rotary_;
-  bool has_rotary_ = false;
 };
 
 // Ring attention of this rank's rows q (batch, heads, n, d_k), k (batch, kv_heads, n, d_k) and v (batch,
@@ -183,7 +179,7 @@ Tensor4<Scalar> ring_impl(const ::sdpa::detail::Input4<Scalar>& qi, const ::sdpa
     RingState<Scalar>& s = *state;
     s = RingState<Scalar>();
     s.filled_ = true;
-    s.shape_ = c;
+    s.saved_.shape = c;
     s.ranks_ = cs.size;
     s.rank_ = cs.rank;
     const auto copy = [](const ::sdpa::detail::Input4<Scalar>& t, Tensor4<Scalar>& into) {
@@ -197,15 +193,10 @@ Tensor4<Scalar> ring_impl(const ::sdpa::detail::Input4<Scalar>& qi, const ::sdpa
     copy(ki, s.k_);
     copy(vi, s.v_);
     s.out_ = out;
-    s.lse_ = std::move(lse);
-    s.options_ = options;
-    s.options_.rotary = nullptr;
+    s.saved_.lse = std::move(lse);
+    s.saved_.keep_options(options);
     s.ring_ = ro;
     s.ring_.stats = nullptr;
-    if (options.rotary != nullptr) {
-      s.rotary_ = *options.rotary;
-      s.has_rotary_ = true;
-    }
   }
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (ro.stats != nullptr) *ro.stats = stats;
@@ -227,7 +218,7 @@ AttentionGradients<Scalar> ring_attention_backward(const Tensor4<Scalar>& grad_o
   const char* where = "ring_attention_backward";
   const auto start = std::chrono::steady_clock::now();
   const distributed::detail::CommShape cs = distributed::detail::comm_shape(comm, where);
-  const AttentionOptions<Scalar>& o = s.options_;
+  const AttentionOptions<Scalar>& o = s.saved_.options;
   distributed::detail::Fields fields;
   fields.integer("the state (filled or empty)", s.empty() ? 0 : 1);
   for (std::size_t i = 0; i < 4; ++i) fields.integer("grad_output's shape", grad_output.dimension(i));
@@ -248,14 +239,14 @@ AttentionGradients<Scalar> ring_attention_backward(const Tensor4<Scalar>& grad_o
                                           ::sdpa::detail::concat("of shape ", ::sdpa::detail::shape_string(grad_output.dimensions())));
       },
       fields);
-  const ::sdpa::detail::CallShape& c = s.shape_;
+  const ::sdpa::detail::CallShape& c = s.saved_.shape;
   const Layout layout = o.layout;
   RingStats stats;
   distributed::detail::RingCall<Scalar> call;
   call.plan = distributed::detail::make_plan(s.ring_.layout, cs.rank, cs.size, c.nq, s.ring_.block_rows);
   call.shape = c;
   call.options = &o;
-  call.rotary = s.has_rotary_ ? &s.rotary_ : nullptr;
+  call.rotary = s.saved_.rotary_or_null();
   call.comm = comm;
   call.q = heads_of(s.q_.data(), s.q_.dimensions(), layout);
   call.k = heads_of(s.k_.data(), s.k_.dimensions(), layout);
@@ -267,7 +258,7 @@ AttentionGradients<Scalar> ring_attention_backward(const Tensor4<Scalar>& grad_o
   std::vector<Scalar> sinks(o.sinks.size());
   ::sdpa::detail::ProgramTables<Scalar> tables(o.program.get());
   kernels::BackwardStatus status;
-  distributed::detail::ring_backward(call, heads_of(s.out_.data(), s.out_.dimensions(), layout), s.lse_.data(),
+  distributed::detail::ring_backward(call, heads_of(s.out_.data(), s.out_.dimensions(), layout), s.saved_.lse.data(),
                                      heads_of(grad_output.data(), grad_output.dimensions(), layout),
                                      heads_of(g.q.data(), g.q.dimensions(), layout), heads_of(g.k.data(), g.k.dimensions(), layout),
                                      heads_of(g.v.data(), g.v.dimensions(), layout), sinks.empty() ? nullptr : sinks.data(), stats,

@@ -415,12 +415,10 @@ auto ScaledDotProductAttention<Scalar>::forward_impl(const View& qv, const View&
   detail::set_compute(p, compute_);
   draw_dropout(p);
   if (capture != nullptr) {
-    capture->lse_.resize(static_cast<std::size_t>(batch * h_ * nq));
-    p.lse = capture->lse_.data();
-    capture->dropout_ = p.dropout;
-    capture->sampler_ = p.sampler;
-    capture->keep_scale_ = p.keep_scale;
-    capture->compute_ = compute_;
+    capture->saved_.lse.resize(static_cast<std::size_t>(batch * h_ * nq));
+    p.lse = capture->saved_.lse.data();
+    capture->saved_.keep_draw(p);
+    capture->saved_.compute = compute_;
   }
   if (options.packed())
     detail::run_packed(p, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device);

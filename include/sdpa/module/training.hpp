@@ -35,8 +35,7 @@ void ScaledDotProductAttention<Scalar>::start_capture(ForwardState<Scalar>& s, c
   s.queries_ = copy(qv);
   if (!s.qk_same_) s.keys_ = copy(kv);
   if (!s.kv_same_) s.values_ = copy(vv);
-  s.options_ = options;
-  s.options_.probabilities = nullptr;
+  s.saved_.keep_options(options);
 }
 
 template <typename Scalar>
@@ -88,7 +87,7 @@ auto ScaledDotProductAttention<Scalar>::backward_impl(const Tensor3& grad_output
     if (grad_output.dimension(i) != want[i])
       detail::throw_invalid(where, "grad_output", detail::concat("of the forward's output shape ", detail::shape_string(want)),
                             detail::concat("of shape ", detail::shape_string(grad_output.dimensions())));
-  const AttentionOptions<Scalar>& options = s.options_;
+  const AttentionOptions<Scalar>& options = s.saved_.options;
   // The tensors must still have the shapes they had in the forward.
   const detail::CallShape shape = call_shape(where, batch, nq, nk);
   detail::check_attention_options(shape, options, /*module_call=*/true);
@@ -160,15 +159,12 @@ auto ScaledDotProductAttention<Scalar>::backward_impl(const Tensor3& grad_output
   p.k = {s.k_, nk * s.ldk_, s.ldk_, d_k_};
   p.v = {s.v_, nk * s.ldv_, s.ldv_, d_v_};
   p.out = {const_cast<Scalar*>(s.att_.data()), nq * hv, hv, d_v_};
-  p.lse = const_cast<Scalar*>(s.lse_.data());
-  p.dropout = s.dropout_;
-  p.sampler = s.sampler_;
-  p.keep_scale = s.keep_scale_;
+  s.saved_.replay(p);
   // kBf16: the products read the transformed q, k, v and d att rounded to bfloat16 (the kernel rounds P
   // and dS per tile), as sdpa::attention_backward does; the projections' gradients stay float products.
   detail::Buffer<Scalar> q_bf16, k_bf16, v_bf16, d_att_bf16;
   Scalar* d_att_read = d_att.data();
-  if (s.compute_ == Compute::kBf16) {
+  if (s.saved_.compute == Compute::kBf16) {
     if constexpr (std::is_same<Scalar, float>::value) {
       const auto rounded = [&](const Scalar* x, Index rows, Index ld, Index width, detail::Buffer<Scalar>& into) {
         into = detail::Buffer<Scalar>(static_cast<std::size_t>(rows * width));
