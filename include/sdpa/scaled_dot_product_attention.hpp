@@ -184,7 +184,8 @@ class ScaledDotProductAttention {
   // step in chunks of any sizes gives the rows of forward(x, x, x, {causal = true}). Every option is checked
   // before anything is appended (a refused step leaves the cache as it was). With window_left = w the cache
   // may drop the entries no later query can see. Once the cache has the capacity (and for chunks of up to
-  // 16 tokens, without a mask tensor), a step allocates nothing; the second form writes into `out`.
+  // kernels::kFewRows (16) tokens, without a mask tensor), a step allocates nothing; the second form writes
+  // into `out`.
   template <typename X>
   Tensor3 step(const X& x, KVCache<Scalar>& cache, AttentionOptions<Scalar> options = {}) const;
   template <typename X>
@@ -193,10 +194,11 @@ class ScaledDotProductAttention {
   // A ragged batch of a PagedKVCache's sequences at once (continuous batching): x (n, t, d_model) holds t new
   // tokens of each of the n sequences sequence_ids[i] (distinct), which are appended to their sequences and
   // attend to them causally, each to its own entries only, as step on a KVCache of that sequence alone would
-  // (the same bits, on the vector paths, for t <= 16). Every tensor-free option applies (windows: whole blocks
-  // no later query can see are dropped); attention_mask, attention_weights, attention_bias, key_lengths,
-  // probabilities and packed sequences are refused. A step whose new entries need more blocks than the pool
-  // has free throws std::runtime_error; a refused step changes nothing. Returns (n, t, d_model).
+  // (the same bits, on the vector paths, for t <= kernels::kFewRows, 16). Every tensor-free option applies
+  // (windows: whole blocks no later query can see are dropped); attention_mask, attention_weights,
+  // attention_bias, key_lengths, probabilities and packed sequences are refused. A step whose new entries
+  // need more blocks than the pool has free throws std::runtime_error; a refused step changes nothing.
+  // Returns (n, t, d_model).
   template <typename X>
   Tensor3 step(const X& x, PagedKVCache<Scalar>& cache, const std::vector<std::int64_t>& sequence_ids,
                const AttentionOptions<Scalar>& options = {}) const;

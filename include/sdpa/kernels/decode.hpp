@@ -72,10 +72,14 @@ struct DecodeWorkspace {
 // add_weighted_rows and their forms for stored keys and values): short enough that Eigen's GEMV spent more
 // time in its call than in the arithmetic.
 
-// Whether decode_attention suits p: few queries (each item recomputes nothing, but covers all of them).
+// The most queries per batch entry that decode_attention takes (each item recomputes nothing, but covers
+// all of them); run_attention sends more to the tiled kernel.
+constexpr Eigen::Index kDecodeQueries = 16;
+
+// Whether decode_attention suits p: at most kDecodeQueries queries.
 template <typename Scalar>
 bool decode_suits(const AttentionProblem<Scalar>& p) noexcept {
-  return p.nq <= 16;
+  return p.nq <= kDecodeQueries;
 }
 
 // The same under a score program, whose mask the decoding kernel asks per row and chunk: the tiled kernel

@@ -176,6 +176,11 @@ void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, const std
   project_rows<Scalar>(x, rows, in, in, targets.data(), targets.size(), device, isa);
 }
 
+// The most rows that go through project_few_rows instead of the GEMM of project_rows: a decoding step's
+// tokens, an output gate's or fc_o's rows of a step. The module's callers choose by it in one place each,
+// so that a step's rows get the same bits whichever entry point they come through.
+constexpr Eigen::Index kFewRows = 16;
+
 // The same for a few rows (a decoding step): each weight row is read from memory once for all rows, where a
 // matrix product's packing or a matrix-vector product per row would read the weights again, and its
 // vectors are loaded once for up to eight rows (simd::dot_rows: each output the bits of one dot); threads split the

@@ -181,7 +181,7 @@ void ScaledDotProductAttention<Scalar>::project_into_cache(const View& kv, const
     cache.advance(n);
     return;
   }
-  if (batch * n <= 16) {
+  if (batch * n <= kernels::kFewRows) {
     // A decoding step: every weight row read once for all rows; the rows of batch entry b go to the
     // cache's entries of b (group stride: one sequence's capacity).
     Target targets[3];
@@ -219,7 +219,7 @@ void ScaledDotProductAttention<Scalar>::project_into_narrow_cache(const View& kv
   const Index batch = cache.batch(), n = kv.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_;
   const Index at = cache.size();
   auto target = [](const LinearType& layer, Scalar* y, Index ldy) { return layer.target(y, ldy); };
-  if (batch * n <= 16) {
+  if (batch * n <= kernels::kFewRows) {
     // A decoding step: every weight row read once for all rows of the batch.
     Scalar* sk = cache.step_scratch().stage.reset_at_least(static_cast<std::size_t>(batch * n * (hk + hv)));
     Scalar* sv = sk + batch * n * hk;
@@ -276,7 +276,7 @@ void ScaledDotProductAttention<Scalar>::attend_projected(const Scalar* q, Index 
   draw_dropout(p);
   detail::run_attention(p, kernel_, &workspace, options.device);
   apply_gate(x, batch * nq, att, att + batch * nq * hv, options.device);
-  if (batch * nq <= 16) {
+  if (batch * nq <= kernels::kFewRows) {
     const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
     kernels::project_few_rows<Scalar>(att, batch * nq, hv, hv, &to, 1, options.device);
   } else {
@@ -393,14 +393,14 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
   cache.make_room(ids, t, where);
 
   // Queries, keys and values of every new token: few-row projections (each weight row read once for all
-  // rows, and the bits a single sequence's step gets) for up to 16 tokens per sequence.
+  // rows, and the bits a single sequence's step gets) for up to kernels::kFewRows tokens per sequence.
   const Index rows = n_seq * t;
   detail::StepScratch<Scalar>& scratch = cache.step_scratch();
   Scalar* q = scratch.queries.reset_at_least(static_cast<std::size_t>(rows * hq));
   Scalar* sk = scratch.stage.reset_at_least(static_cast<std::size_t>(rows * (hk + hv)));
   Scalar* sv = sk + rows * hk;
   const Target targets[3] = {fc_q_.target(q, hq), fc_k_.target(sk, hk), fc_v_.target(sv, hv)};
-  if (t <= 16)
+  if (t <= kernels::kFewRows)
     kernels::project_few_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
   else
     kernels::project_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
@@ -437,7 +437,7 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
   draw_dropout(p);
   detail::run_attention(p, kernel_, &scratch.decode, options.device);
   apply_gate(x.data(), rows, att, att + rows * ha, options.device);
-  if (t <= 16) {
+  if (t <= kernels::kFewRows) {
     const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
     kernels::project_few_rows<Scalar>(att, rows, ha, ha, &to, 1, options.device);
   } else {

@@ -355,7 +355,7 @@ template <typename Scalar>
 void ScaledDotProductAttention<Scalar>::gate_values(const Scalar* x, Index rows, Scalar* gate,
                                                     const Eigen::ThreadPoolDevice* device) const {
   const Index ha = h_ * d_v_;
-  if (rows <= 16) {
+  if (rows <= kernels::kFewRows) {
     const kernels::ProjectionTarget<Scalar> t = fc_g_.target(gate, ha);
     kernels::project_few_rows<Scalar>(x, rows, d_model_, d_model_, &t, 1, device);
   } else {
