@@ -29,7 +29,7 @@ template <Isa kIsa>
 using IsaPath = std::integral_constant<Isa, kIsa>;
 
 template <typename F>
-decltype(auto) with_isa(Isa isa, F&& f) {
+SDPA_ALWAYS_INLINE decltype(auto) with_isa(Isa isa, F&& f) {
 #if SDPA_DISPATCH
   if (isa == Isa::kAvx512) return f(IsaPath<Isa::kAvx512>{});
   if (isa == Isa::kAvx2) return f(IsaPath<Isa::kAvx2>{});
@@ -41,7 +41,7 @@ decltype(auto) with_isa(Isa isa, F&& f) {
 // namespace <path of isa>::fn(args...), through with_isa.
 #if SDPA_DISPATCH
 #define SDPA_SIMD_CALL(isa, fn, ...)                                                   \
-  ::sdpa::simd::with_isa(isa, [&](auto sdpa_path_) -> decltype(auto) {                 \
+  ::sdpa::simd::with_isa(isa, [&](auto sdpa_path_) SDPA_ALWAYS_INLINE_LAMBDA -> decltype(auto) { \
     if constexpr (decltype(sdpa_path_)::value == ::sdpa::Isa::kAvx512)                 \
       return ::sdpa::SDPA_ABI_NAMESPACE::avx512::fn(__VA_ARGS__);                      \
     else if constexpr (decltype(sdpa_path_)::value == ::sdpa::Isa::kAvx2)              \
