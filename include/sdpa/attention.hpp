@@ -192,15 +192,7 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
     if (t->data() == nullptr && d[0] * d[1] * d[2] * d[3] != 0)
       throw_invalid(where, t == &qi ? "q" : t == &ki ? "k" : "v", "a tensor with data", "a null pointer");
   }
-  CallShape c;
-  c.where = where;
-  c.batch = qd[0];
-  c.heads = qd[1];
-  c.kv_heads = kd[1];
-  c.nq = qd[2];
-  c.nk = kd[2];
-  c.d_k = qd[3];
-  c.d_v = vd[3];
+  const CallShape c = CallShape::of(where, qd, kd, vd);
   check_attention_options(c, options, /*module_call=*/false);
 
   // Checked: from here on nothing throws but an allocation failure.

@@ -34,6 +34,21 @@ namespace detail {
 struct CallShape {
   const char* where = "attention";
   Eigen::Index batch = 0, heads = 0, kv_heads = 0, nq = 0, nk = 0, d_k = 0, d_v = 0;
+
+  // The shape of q, k, v given as (batch, heads, seq, dim) sizes.
+  static CallShape of(const char* where, const std::array<Eigen::Index, 4>& qd, const std::array<Eigen::Index, 4>& kd,
+                      const std::array<Eigen::Index, 4>& vd) noexcept {
+    CallShape c;
+    c.where = where;
+    c.batch = qd[0];
+    c.heads = qd[1];
+    c.kv_heads = kd[1];
+    c.nq = qd[2];
+    c.nk = kd[2];
+    c.d_k = qd[3];
+    c.d_v = vd[3];
+    return c;
+  }
 };
 
 // Packed sequences (cu_seqlens_q / cu_seqlens_k) against the call's shape: a batch of one, two boundary

@@ -142,7 +142,7 @@ Tensor4<Scalar> ring_impl(const ::sdpa::detail::Input4<Scalar>& qi, const ::sdpa
   const CommShape cs = comm_shape(comm, where);
   const Layout layout = options.layout;
   const std::array<Index, 4> qd = bhnd(qi.dims(), layout), kd = bhnd(ki.dims(), layout), vd = bhnd(vi.dims(), layout);
-  const ::sdpa::detail::CallShape c = ring_shape<Scalar>(where, qd, kd, vd);
+  const ::sdpa::detail::CallShape c = ::sdpa::detail::CallShape::of(where, qd, kd, vd);
   checked_collectively(
       comm, cs, where, [&] { check_ring(c, qd, kd, vd, options, ro, cs.size); }, ring_fields(c, options, ro));
 

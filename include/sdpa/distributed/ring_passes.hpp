@@ -508,20 +508,6 @@ void check_ring(const ::sdpa::detail::CallShape& local, const std::array<Index, 
   ::sdpa::detail::check_attention_options(whole, o, /*module_call=*/false);
 }
 
-template <typename Scalar>
-::sdpa::detail::CallShape ring_shape(const char* where, const std::array<Index, 4>& qd, const std::array<Index, 4>& kd,
-                                     const std::array<Index, 4>& vd) {
-  ::sdpa::detail::CallShape c;
-  c.where = where;
-  c.batch = qd[0];
-  c.heads = qd[1];
-  c.kv_heads = kd[1];
-  c.nq = qd[2];
-  c.nk = kd[2];
-  c.d_k = qd[3];
-  c.d_v = vd[3];
-  return c;
-}
 
 template <typename Scalar>
 Tensor4<Scalar> ring_impl(const ::sdpa::detail::Input4<Scalar>& qi, const ::sdpa::detail::Input4<Scalar>& ki,
