@@ -316,11 +316,12 @@ void check_chunk_scores(Isa isa, Index n, Index d) {
   for (T& x : q) x = T(u(gen));
   const std::string where = std::string(sdpa::isa_name(isa)) + " n " + std::to_string(n) + " d " + std::to_string(d);
   std::vector<T> s(static_cast<std::size_t>(heads * nq * lds), T(-5));
-  sdpa::simd::chunk_scores(isa, k.data(), k_row, k_head, n, q.data(), q_head, q_row, heads, group, nq, d, T(0.25), s.data(), lds);
+  const sdpa::simd::Queries<T> queries{q.data(), q_head, q_row, heads, group, nq, d};
+  sdpa::simd::chunk_scores(isa, sdpa::simd::Rows<T>{k.data(), k_row, k_head}, n, queries, sdpa::simd::Scores<T>{s.data(), lds, T(0.25)});
   // The chunk one key later: key j + 1 of the first call is key j here.
   std::vector<T> shifted(static_cast<std::size_t>(heads * nq * lds), T(-5));
-  sdpa::simd::chunk_scores(isa, k.data() + k_row, k_row, k_head, n, q.data(), q_head, q_row, heads, group, nq, d, T(0.25),
-                           shifted.data(), lds);
+  sdpa::simd::chunk_scores(isa, sdpa::simd::Rows<T>{k.data() + k_row, k_row, k_head}, n, queries,
+                           sdpa::simd::Scores<T>{shifted.data(), lds, T(0.25)});
   const double eps = std::numeric_limits<T>::epsilon();
   for (Index h = 0; h < heads; ++h)
     for (Index i = 0; i < nq; ++i)

@@ -215,15 +215,16 @@ TEST(StorageConversion, VectorWideningMatchesTheScalarForms) {
     for (float& s : scales) s = static_cast<float>(rng.uniform(1e-3, 1));
     std::vector<float> out(static_cast<std::size_t>(rows * ldd), -7.0f);
     const auto same = [](float a, float b) { return bits_of(a) == bits_of(b) || (std::isnan(a) && std::isnan(b)); };
-    sdpa::simd::widen_rows(isa, b.data(), lds, rows, cols, nullptr, Index{0}, cols, out.data(), ldd);
+    sdpa::simd::widen_rows(isa, sdpa::simd::Rows<sdpa::BFloat16>{b.data(), lds}, rows, cols, cols, out.data(), ldd);
     for (Index r = 0; r < rows; ++r)
       for (Index c = 0; c < cols; ++c)
         ASSERT_TRUE(same(out[static_cast<std::size_t>(r * ldd + c)], sdpa::to_float(b[static_cast<std::size_t>(r * lds + c)])));
-    sdpa::simd::widen_rows(isa, h.data(), lds, rows, cols, nullptr, Index{0}, cols, out.data(), ldd);
+    sdpa::simd::widen_rows(isa, sdpa::simd::Rows<sdpa::Float16>{h.data(), lds}, rows, cols, cols, out.data(), ldd);
     for (Index r = 0; r < rows; ++r)
       for (Index c = 0; c < cols; ++c)
         ASSERT_TRUE(same(out[static_cast<std::size_t>(r * ldd + c)], sdpa::to_float(h[static_cast<std::size_t>(r * lds + c)])));
-    sdpa::simd::widen_rows(isa, q.data(), lds, rows, cols, scales.data(), Index{2}, span, out.data(), ldd);
+    sdpa::simd::widen_rows(isa, sdpa::simd::Rows<std::int8_t>{q.data(), lds, 0, scales.data(), Index{2}}, rows, cols, span,
+                           out.data(), ldd);
     for (Index r = 0; r < rows; ++r)
       for (Index c = 0; c < cols; ++c) {
         const float want = static_cast<float>(q[static_cast<std::size_t>(r * lds + c)]) * scales[static_cast<std::size_t>(r * 2 + c / span)];
@@ -341,7 +342,10 @@ TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
       for (float& v : q) v = static_cast<float>(rng.normal());
       const float* sc = s == Storage::kInt8 ? scales.data() : nullptr;
       const auto scores = [&](const auto* k) {
-        sdpa::simd::chunk_scores_stored(isa, k, row, d, n, sc, kv, q.data(), nq * d, d, heads, heads / kv, nq, d, 0.5f, out.data(), 40);
+        using T = std::decay_t<decltype(*k)>;
+        sdpa::simd::chunk_scores(isa, sdpa::simd::Rows<T>{k, row, d, sc, kv}, n,
+                                 sdpa::simd::Queries<float>{q.data(), nq * d, d, heads, heads / kv, nq, d},
+                                 sdpa::simd::Scores<float>{out.data(), 40, 0.5f});
       };
       if (s == Storage::kBFloat16) scores(b.data());
       else if (s == Storage::kFloat16) scores(h.data());
@@ -376,7 +380,8 @@ TEST(StorageConversion, StoredRowProductsMatchADoubleReference) {
       for (float& v : w) v = static_cast<float>(rng.uniform(0, 1));
       const float* vs = s == Storage::kInt8 ? scales.data() + 1 : nullptr;
       const auto values = [&](const auto* v) {
-        sdpa::simd::add_weighted_rows_stored(isa, acc.data(), d, w.data(), v + d, row, vs, kv, n);
+        using T = std::decay_t<decltype(*v)>;
+        sdpa::simd::add_weighted_rows_stored(isa, acc.data(), d, w.data(), sdpa::simd::Rows<T>{v + d, row, 0, vs, kv}, n);
       };
       if (s == Storage::kBFloat16) values(b.data());
       else if (s == Storage::kFloat16) values(h.data());
@@ -415,8 +420,9 @@ TEST(StorageConversion, Int8ScoresOfQueriesThatAreNotFinite) {
   q[static_cast<std::size_t>(2 * d + 10)] = std::numeric_limits<float>::quiet_NaN();
   q[static_cast<std::size_t>(3 * d + 0)] = -inf;
   q[static_cast<std::size_t>(3 * d + 1)] = inf;
-  sdpa::simd::chunk_scores_stored(isa, k.data(), heads * d, d, n, scales.data(), heads, q.data(), d, d, heads, Index{1},
-                                  Index{1}, d, 0.5f, out.data(), n);
+  sdpa::simd::chunk_scores(isa, sdpa::simd::Rows<std::int8_t>{k.data(), heads * d, d, scales.data(), heads}, n,
+                           sdpa::simd::Queries<float>{q.data(), d, d, heads, Index{1}, Index{1}, d},
+                           sdpa::simd::Scores<float>{out.data(), n, 0.5f});
   for (Index h = 0; h < heads; ++h)
     for (Index j = 0; j < n; ++j) {
       double want = 0, norm = 0;
@@ -441,8 +447,9 @@ TEST(StorageConversion, Int8ScoresOfQueriesThatAreNotFinite) {
   std::vector<float> big(static_cast<std::size_t>(d), 1e30f);
   std::vector<std::int8_t> zero_key(static_cast<std::size_t>(d), 0);
   std::vector<float> one_scale(1, 0.01f), got(1, -1.0f);
-  sdpa::simd::chunk_scores_stored(isa, zero_key.data(), d, d, Index{1}, one_scale.data(), Index{1}, big.data(), d, d,
-                                  Index{1}, Index{1}, Index{1}, d, 1e20f, got.data(), Index{1});
+  sdpa::simd::chunk_scores(isa, sdpa::simd::Rows<std::int8_t>{zero_key.data(), d, d, one_scale.data(), Index{1}}, Index{1},
+                           sdpa::simd::Queries<float>{big.data(), d, d, Index{1}, Index{1}, Index{1}, d},
+                           sdpa::simd::Scores<float>{got.data(), Index{1}, 1e20f});
   EXPECT_EQ(got[0], 0.0f);
 }
 
@@ -491,11 +498,12 @@ TEST(StorageConversion, UnrolledScoresGiveTheGeneralKernelsBits) {
       std::vector<float> all(static_cast<std::size_t>(heads * lds), 0.0f), one(all.size(), 0.0f);
       const float* sc = s == Storage::kInt8 ? scales.data() : nullptr;
       const auto check = [&](const auto* k) {
-        sdpa::simd::chunk_scores_stored(isa, k, row, d, n, sc, kv, q.data(), d, d, heads, heads / kv, 1, d, 0.125f, all.data(),
-                                        lds);
+        using T = std::decay_t<decltype(*k)>;
+        const sdpa::simd::Rows<T> keys{k, row, d, sc, kv};
+        const sdpa::simd::Queries<float> queries{q.data(), d, d, heads, heads / kv, 1, d};
+        sdpa::simd::chunk_scores(isa, keys, n, queries, sdpa::simd::Scores<float>{all.data(), lds, 0.125f});
         for (Index j = 0; j < n; ++j)
-          sdpa::simd::chunk_scores_stored(isa, k + j * row, row, d, 1, sc == nullptr ? nullptr : sc + j * kv, kv, q.data(), d,
-                                          d, heads, heads / kv, 1, d, 0.125f, one.data() + j, lds);
+          sdpa::simd::chunk_scores(isa, keys.at(j), 1, queries, sdpa::simd::Scores<float>{one.data() + j, lds, 0.125f});
       };
       rows.with(s, check);
       for (Index hh = 0; hh < heads; ++hh)
@@ -531,11 +539,12 @@ TEST(StorageConversion, StoredValueRowsForEveryHeadGiveEachHeadsBits) {
             // From row 2, with the rest of the rows as the prefetched ones.
             const auto* v2 = v + 2 * row;
             const float* sc2 = sc == nullptr ? nullptr : sc + 2 * kv;
-            sdpa::simd::add_weighted_rows_stored_heads(isa, all.data(), la, d, w.data(), lw, v2, row, d, sc2, kv, heads, group, m,
-                                                       std::min<Index>(16, n - 2 - m));
+            using T = std::decay_t<decltype(*v)>;
+            const sdpa::simd::Rows<T> values{v2, row, d, sc2, kv};
+            sdpa::simd::add_weighted_rows_stored_heads(isa, sdpa::simd::HeadSums<float>{all.data(), la, w.data(), lw, heads, group},
+                                                       d, values, m, std::min<Index>(16, n - 2 - m));
             for (Index hh = 0; hh < heads; ++hh)
-              sdpa::simd::add_weighted_rows_stored(isa, one.data() + hh * la, d, w.data() + hh * lw, v2 + (hh / group) * d, row,
-                                                   sc2 == nullptr ? nullptr : sc2 + hh / group, kv, m);
+              sdpa::simd::add_weighted_rows_stored(isa, one.data() + hh * la, d, w.data() + hh * lw, values.at(0, hh / group), m);
           };
           rows.with(s, check);
           for (std::size_t i = 0; i < all.size(); ++i)

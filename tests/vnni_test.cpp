@@ -43,7 +43,8 @@ struct Problem {
   template <typename Kernel>
   std::vector<float> run(Kernel kernel) const {
     std::vector<float> s(static_cast<std::size_t>(heads * nq * lds()), -1.0f);
-    kernel(k.data(), kv * d, d, n, scales.data(), kv, q.data(), nq * d, d, heads, heads / kv, nq, d, 0.125f, s.data(), lds());
+    kernel(sdpa::simd::Rows<std::int8_t>{k.data(), kv * d, d, scales.data(), kv}, n,
+           sdpa::simd::Queries<float>{q.data(), nq * d, d, heads, heads / kv, nq, d}, sdpa::simd::Scores<float>{s.data(), lds(), 0.125f});
     return s;
   }
   // The exact scores of the unrounded keys and queries, in double.
@@ -59,10 +60,9 @@ struct Problem {
 struct Pair {
   const char* name;  // the VNNI kernel's instructions
   bool runs;
-  void (*vnni)(const std::int8_t*, Index, Index, Index, const float*, Index, const float*, Index, Index, Index, Index,
-               Index, Index, float, float*, Index) noexcept;
-  void (*plain)(const std::int8_t*, Index, Index, Index, const float*, Index, const float*, Index, Index, Index, Index,
-                Index, Index, float, float*, Index) noexcept;
+  using Kernel = void (*)(sdpa::simd::Rows<std::int8_t>, Index, sdpa::simd::Queries<float>, sdpa::simd::Scores<float>) noexcept;
+  Kernel vnni;
+  Kernel plain;
 };
 
 std::vector<Pair> pairs() {

@@ -25,7 +25,7 @@
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/scores.hpp"
 #include "sdpa/kernels/softmax.hpp"
-#include "sdpa/kernels/stored.hpp"
+#include "sdpa/kernels/rows.hpp"
 #include "sdpa/kernels/visibility.hpp"
 #include "sdpa/parallel.hpp"
 
@@ -163,16 +163,10 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
           lo = std::min(lo, segs[r].lo);
           hi = std::max(hi, segs[r].hi);
         }
+      const simd::Queries<Scalar> all_queries{p.q.row(b, 0, 0), p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k};
       for (Index j = lo; j < hi;) {
         const Index run = p.run_of(k0 + j, hi - j);
-        if (p.stored()) {
-          stored_chunk_scores(p, b, 0, k0 + j, run, p.q.row(b, 0, 0), p.q.head_stride, p.q.row_stride, p.heads, p.kv_group,
-                              p.nq, scores + j, kDecodeChunk);
-        } else {
-          simd::chunk_scores(p.isa, p.key_row(b, 0, k0 + j), p.k.row_stride, p.k.head_stride, run, p.q.row(b, 0, 0),
-                             p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k, p.scale, scores + j,
-                             kDecodeChunk);
-        }
+        key_scores(p, b, Index{0}, k0 + j, run, all_queries, scores + j, kDecodeChunk);
         j += run;
       }
       // Pass 2: per row, the score pipeline, the softmax fold and dropout, over the batch entry's own keys of
@@ -204,7 +198,7 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
       // the prefetches only slowed the step down; bench/RESULTS.md. Stored ones are, on the paths whose
       // kPrefetchStoredRows says so.)
       // Stored values where every row sees the same solid segment of the chunk (no mask holes: the usual
-      // step): a block's rows go to every head in one call per query (stored_add_weighted_rows_heads), each
+      // step): a block's rows go to every head in one call per query (stored_value_sums_heads), each
       // head's sums as the per-head calls below would give them.
       bool uniform = p.stored() && segs[0].solid;
       for (Index r = 1; uniform && r < rows; ++r)
@@ -217,9 +211,11 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
           // The next block's rows, where they follow in memory (the same block of a paged cache).
           const Index ahead = std::clamp<Index>(p.run_of(k0 + jlo, n - jlo) - (jhi - jlo), 0, kRows);
           for (Index q = 0; q < p.nq; ++q)
-            stored_add_weighted_rows_heads(p, ws.acc.data() + (item * p.heads * p.nq + q) * p.d_v, p.nq * p.d_v,
-                                           scores + q * kDecodeChunk + jlo, p.nq * kDecodeChunk, b, k0 + jlo, jhi - jlo,
-                                           q == 0 ? ahead : Index{0});
+            stored_value_sums_heads(p,
+                                    simd::HeadSums<Scalar>{ws.acc.data() + (item * p.heads * p.nq + q) * p.d_v, p.nq * p.d_v,
+                                                           scores + q * kDecodeChunk + jlo, p.nq * kDecodeChunk, p.heads,
+                                                           p.kv_group},
+                                    b, k0 + jlo, jhi - jlo, q == 0 ? ahead : Index{0});
           continue;
         }
         Index prefetched = -1;  // the last value head whose next block was prefetched for this block
@@ -230,7 +226,7 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
             const Index jlo = std::max(seg.lo, j0), jhi = std::min(seg.hi, j0 + m);
             if (jlo >= jhi) continue;
             // The block's value rows (inside one block of a paged cache; stored values are read through
-            // stored_add_weighted_rows instead).
+            // stored_value_sums instead).
             const Scalar* vb = p.stored() ? nullptr : p.value_row(b, h, k0 + j0);
             Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> av(ws.acc.data() + ((item * p.heads + h) * p.nq + q) * p.d_v, p.d_v);
             const Scalar* pr = scores + r * kDecodeChunk;
@@ -243,10 +239,10 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
                 const Index g = h / p.kv_group;
                 const Index ahead = g != prefetched ? std::clamp<Index>(p.run_of(k0 + jlo, n - jlo) - (jhi - jlo), 0, kRows) : Index{0};
                 prefetched = g;
-                stored_add_weighted_rows(p, av.data(), pr + jlo, b, g, k0 + jlo, jhi - jlo, ahead);
+                stored_value_sums(p, av.data(), pr + jlo, b, g, k0 + jlo, jhi - jlo, ahead);
               } else {
                 for (Index j = jlo; j < jhi; ++j)
-                  if (!segment_hole(seg, visibility, b, h, q, k0, j)) stored_add_weighted_rows(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
+                  if (!segment_hole(seg, visibility, b, h, q, k0, j)) stored_value_sums(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
               }
             } else if (seg.solid) {
               simd::add_weighted_rows(p.isa, av.data(), p.d_v, pr + jlo, vb + (jlo - j0) * p.v.row_stride, p.v.row_stride, jhi - jlo);
@@ -300,12 +296,8 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
           const Index lo = std::max<Index>(range.lo - k0, 0), hi = std::min(range.hi - k0, n);
           for (Index j = lo; j < hi;) {
             const Index run = p.run_of(k0 + j, hi - j);
-            if (p.stored())
-              stored_chunk_scores(p, b, h / p.kv_group, k0 + j, run, p.q.row(b, h, q), Index{0}, Index{0}, Index{1},
-                                  Index{1}, Index{1}, x + j, kDecodeChunk);
-            else
-              simd::chunk_scores(p.isa, p.key_row(b, h, k0 + j), p.k.row_stride, Index{0}, run, p.q.row(b, h, q), Index{0},
-                                 Index{0}, Index{1}, Index{1}, Index{1}, p.d_k, p.scale, x + j, kDecodeChunk);
+            key_scores(p, b, h / p.kv_group, k0 + j, run, simd::Queries<Scalar>{p.q.row(b, h, q), 0, 0, 1, 1, 1, p.d_k}, x + j,
+                       kDecodeChunk);
             j += run;
           }
           if constexpr (Program::kMask) {

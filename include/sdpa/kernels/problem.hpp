@@ -74,7 +74,7 @@ struct AttentionProblem {
   // problems only): then k.data and v.data are null and k_stored / v_stored hold the elements, addressed by
   // k's and v's strides (in elements, head_stride = d: a cache's rows). int8 adds one float scale per
   // (batch, row, key/value head): scales + b * scale_batch_stride + row * kv_heads() + head. The kernels
-  // widen them a block at a time (kernels/stored.hpp), never the whole cache.
+  // widen them a block at a time (kernels/rows.hpp), never the whole cache.
   Storage kv_storage = native_storage<Scalar>();
   const void* k_stored = nullptr;
   const void* v_stored = nullptr;

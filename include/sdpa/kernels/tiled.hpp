@@ -32,7 +32,7 @@
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/scores.hpp"
 #include "sdpa/kernels/softmax.hpp"
-#include "sdpa/kernels/stored.hpp"
+#include "sdpa/kernels/rows.hpp"
 #include "sdpa/kernels/tile_config.hpp"
 #include "sdpa/kernels/tile_products.hpp"
 #include "sdpa/kernels/visibility.hpp"
@@ -146,8 +146,8 @@ class TileScorer {
         // A paged batch entry's table ends at its length: the block's rows past it are zeros (hidden keys).
         const Index g = h / p_.kv_group;
         const Index held = p_.paged() && p_.key_lengths != nullptr ? std::clamp<Index>(p_.key_lengths[b] - k0, 0, cols) : cols;
-        gather_kv(p_, /*values=*/false, b, g, Index{1}, k0, held, k_wide_.data(), p_.d_k);
-        gather_kv(p_, /*values=*/true, b, g, Index{1}, k0, held, v_wide_.data(), p_.d_v);
+        gather_kv(p_, /*values=*/false, b, g, k0, held, k_wide_.data(), p_.d_k);
+        gather_kv(p_, /*values=*/true, b, g, k0, held, v_wide_.data(), p_.d_v);
         std::fill(k_wide_.data() + held * p_.d_k, k_wide_.data() + cols * p_.d_k, Scalar(0));
         std::fill(v_wide_.data() + held * p_.d_v, v_wide_.data() + cols * p_.d_v, Scalar(0));
         wide_k0_ = k0;

@@ -27,6 +27,7 @@
 
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/simd/rows.hpp"
 #include "sdpa/storage.hpp"
 
 #include "sdpa/simd/target_avx2_begin.hpp"

@@ -18,6 +18,7 @@
 #include "sdpa/simd/avx2.hpp"
 #include "sdpa/simd/avx512.hpp"
 #include "sdpa/simd/portable.hpp"
+#include "sdpa/simd/rows.hpp"
 #include "sdpa/simd/vnni.hpp"
 
 SDPA_NAMESPACE_BEGIN
@@ -121,19 +122,11 @@ void add_weighted_rows(Isa isa, Scalar* acc, Eigen::Index n, const Scalar* w, co
   SDPA_SIMD_CALL(isa, add_weighted_rows, acc, n, w, rows, stride, m);
 }
 
-// The decoding step's scores of a chunk of keys (generic_rows.inc's chunk_scores).
-template <typename Scalar>
-void chunk_scores(Isa isa, const Scalar* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n, const Scalar* q,
-                  Eigen::Index q_head, Eigen::Index q_row, Eigen::Index heads, Eigen::Index group, Eigen::Index nq,
-                  Eigen::Index d, Scalar scale, Scalar* s, Eigen::Index lds) noexcept {
-  SDPA_SIMD_CALL(isa, chunk_scores, k, k_row, k_head, n, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
-}
-
 // Stored rows widened to float (generic_rows.inc's widen_rows): T is BFloat16, Float16 or std::int8_t.
 template <typename T>
-void widen_rows(Isa isa, const T* src, Eigen::Index lds, Eigen::Index rows, Eigen::Index cols, const float* scales,
-                Eigen::Index scale_stride, Eigen::Index span, float* dst, Eigen::Index ldd) noexcept {
-  SDPA_SIMD_CALL(isa, widen_rows, src, lds, rows, cols, scales, scale_stride, span, dst, ldd);
+void widen_rows(Isa isa, Rows<T> src, Eigen::Index rows, Eigen::Index cols, Eigen::Index span, float* dst,
+                Eigen::Index ldd) noexcept {
+  SDPA_SIMD_CALL(isa, widen_rows, src, rows, cols, span, dst, ldd);
 }
 
 // a . b with a stored as bfloat16 or float16 (generic_rows.inc's dot_stored).
@@ -156,28 +149,23 @@ inline bool int8_vnni(Isa isa) noexcept {
   return (isa == Isa::kAvx512 && f.avx512vnni) || (isa == Isa::kAvx2 && f.avx_vnni);
 }
 
-// chunk_scores and add_weighted_rows over keys / values stored as T (BFloat16, Float16, std::int8_t with
-// one scale per (row, head)): generic_rows.inc's chunk_scores_stored and add_weighted_rows_stored; int8
+// The decoding step's scores of a chunk of n keys (generic_rows.inc's chunk_scores): keys stored as T, the
+// compute type Scalar or (Scalar float) BFloat16, Float16, std::int8_t with one scale per (row, head); int8
 // keys' scores on the VNNI kernels where int8_vnni says so (the same bits).
-template <typename T>
-void chunk_scores_stored(Isa isa, const T* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n,
-                         const float* scales, Eigen::Index scale_row, const float* q, Eigen::Index q_head,
-                         Eigen::Index q_row, Eigen::Index heads, Eigen::Index group, Eigen::Index nq, Eigen::Index d,
-                         float scale, float* s, Eigen::Index lds) noexcept {
+template <typename T, typename Scalar>
+void chunk_scores(Isa isa, Rows<T> k, Eigen::Index n, Queries<Scalar> q, Scores<Scalar> s) noexcept {
 #if SDPA_DISPATCH
   if constexpr (std::is_same<T, std::int8_t>::value) {
-    if (d <= kInt16QueryMaxLength && int8_vnni(isa)) {
-      if (isa == Isa::kAvx512)
-        return avx512_vnni::int8_scores(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
-      return avx_vnni::int8_scores(k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d, scale, s, lds);
+    if (q.d <= kInt16QueryMaxLength && int8_vnni(isa)) {
+      if (isa == Isa::kAvx512) return avx512_vnni::int8_scores(k, n, q, s);
+      return avx_vnni::int8_scores(k, n, q, s);
     }
   }
 #endif
-  SDPA_SIMD_CALL(isa, chunk_scores_stored, k, k_row, k_head, n, scales, scale_row, q, q_head, q_row, heads, group, nq, d,
-                 scale, s, lds);
+  SDPA_SIMD_CALL(isa, chunk_scores, k, n, q, s);
 }
 
-// Whether chunk_scores_stored sums int8 keys' products in integers on this path, against each query rounded
+// Whether chunk_scores sums int8 keys' products in integers on this path, against each query rounded
 // to int16 (generic_int8.inc's int8_chunk_scores), for head sizes up to kInt16QueryMaxLength.
 inline bool int8_integer_products(Isa isa) noexcept {
   return with_isa(isa, [](auto path) {
@@ -199,22 +187,21 @@ inline const char* int8_products_name(Isa isa) noexcept {
   return "widened float";
 }
 
+// add_weighted_rows over m value rows of head 0 of `rows`, stored as T (BFloat16, Float16, std::int8_t with
+// one scale per (row, head)); the `ahead` rows after them are read next (generic_rows.inc's
+// add_weighted_rows_stored).
 template <typename T>
-void add_weighted_rows_stored(Isa isa, float* acc, Eigen::Index n, const float* w, const T* rows, Eigen::Index stride,
-                              const float* scales, Eigen::Index scale_stride, Eigen::Index m, Eigen::Index ahead = 0) noexcept {
-  SDPA_SIMD_CALL(isa, add_weighted_rows_stored, acc, n, w, rows, stride, scales, scale_stride, m, ahead);
+void add_weighted_rows_stored(Isa isa, float* acc, Eigen::Index n, const float* w, Rows<T> rows, Eigen::Index m,
+                              Eigen::Index ahead = 0) noexcept {
+  SDPA_SIMD_CALL(isa, add_weighted_rows_stored, acc, n, w, rows, m, ahead);
 }
 
-// add_weighted_rows_stored for `heads` query heads over the same rows (generic_rows.inc's
-// add_weighted_rows_stored_heads): head h's weights at w + h * w_head, its accumulator at acc + h * acc_head,
-// its rows those of value head h / group at rows + (h / group) * head_stride (int8 scales at scales + h / group).
+// add_weighted_rows_stored for several query heads over the same rows, as `sums` says (simd/rows.hpp's
+// HeadSums; generic_rows.inc's add_weighted_rows_stored_heads).
 template <typename T>
-void add_weighted_rows_stored_heads(Isa isa, float* acc, Eigen::Index acc_head, Eigen::Index n, const float* w,
-                                    Eigen::Index w_head, const T* rows, Eigen::Index stride, Eigen::Index head_stride,
-                                    const float* scales, Eigen::Index scale_stride, Eigen::Index heads, Eigen::Index group,
-                                    Eigen::Index m, Eigen::Index ahead) noexcept {
-  SDPA_SIMD_CALL(isa, add_weighted_rows_stored_heads, acc, acc_head, n, w, w_head, rows, stride, head_stride, scales,
-                 scale_stride, heads, group, m, ahead);
+void add_weighted_rows_stored_heads(Isa isa, HeadSums<float> sums, Eigen::Index n, Rows<T> rows, Eigen::Index m,
+                                    Eigen::Index ahead) noexcept {
+  SDPA_SIMD_CALL(isa, add_weighted_rows_stored_heads, sums, n, rows, m, ahead);
 }
 
 // The natural order of the features of an accumulator that add_weighted_rows_stored filled from bfloat16

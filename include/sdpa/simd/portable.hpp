@@ -15,10 +15,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "sdpa/gemm/epilogue.hpp"
 #include "sdpa/gemm/pack.hpp"
+#include "sdpa/simd/rows.hpp"
 #include "sdpa/storage.hpp"
 
 SDPA_NAMESPACE_BEGIN
@@ -125,15 +127,14 @@ void softcap_row(Scalar* x, Eigen::Index n, Scalar cap) noexcept {
   for (Eigen::Index j = 0; j < n; ++j) x[j] = cap * std::tanh(x[j] / cap);
 }
 
-// The decoding step's scores of a chunk of keys (see generic_rows.inc's chunk_scores).
+// The decoding step's scores of a chunk of keys stored as Scalar (see generic_rows.inc's chunk_scores).
 template <typename Scalar>
-void chunk_scores(const Scalar* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n, const Scalar* q,
-                  Eigen::Index q_head, Eigen::Index q_row, Eigen::Index heads, Eigen::Index group, Eigen::Index nq,
-                  Eigen::Index d, Scalar scale, Scalar* s, Eigen::Index lds) noexcept {
+void native_chunk_scores(simd::Rows<Scalar> k, Eigen::Index n, simd::Queries<Scalar> q, simd::Scores<Scalar> s) noexcept {
   for (Eigen::Index j = 0; j < n; ++j)
-    for (Eigen::Index h = 0; h < heads; ++h) {
-      const Scalar* kr = k + j * k_row + (h / group) * k_head;
-      for (Eigen::Index i = 0; i < nq; ++i) s[(h * nq + i) * lds + j] = scale * dot(kr, q + h * q_head + i * q_row, d);
+    for (Eigen::Index h = 0; h < q.heads; ++h) {
+      const Scalar* kr = k.data + j * k.row + (h / q.group) * k.head;
+      for (Eigen::Index i = 0; i < q.count; ++i)
+        s.data[(h * q.count + i) * s.ld + j] = s.scale * dot(kr, q.data + h * q.head + i * q.row, q.d);
     }
 }
 
@@ -159,63 +160,61 @@ void dot_rows(const T* a, const Scalar* b, Eigen::Index ldb, Eigen::Index rows, 
   }
 }
 
-// The stored forms of chunk_scores and add_weighted_rows: the rows widened into the calling thread's
-// scratch (grown once), then the float forms, so that the bits are those of the widened rows.
+// chunk_scores and add_weighted_rows over stored rows: the rows widened into the calling thread's scratch
+// (grown once), then the float forms, so that the bits are those of the widened rows.
 inline std::vector<float>& widen_scratch(std::size_t n) {
   thread_local std::vector<float> buf;
   if (buf.size() < n) buf.resize(n);
   return buf;
 }
 
-template <typename T>
-void chunk_scores_stored(const T* k, Eigen::Index k_row, Eigen::Index k_head, Eigen::Index n, const float* scales,
-                         Eigen::Index scale_row, const float* q, Eigen::Index q_head, Eigen::Index q_row,
-                         Eigen::Index heads, Eigen::Index group, Eigen::Index nq, Eigen::Index d, float scale, float* s,
-                         Eigen::Index lds) noexcept {
-  const Eigen::Index kv_heads = (heads + group - 1) / group;
-  std::vector<float>& wide = widen_scratch(static_cast<std::size_t>(kv_heads * d));
-  for (Eigen::Index j = 0; j < n; ++j) {
-    for (Eigen::Index g = 0; g < kv_heads; ++g)
-      for (Eigen::Index c = 0; c < d; ++c) {
-        const float x = widen(k[j * k_row + g * k_head + c]);
-        wide[static_cast<std::size_t>(g * d + c)] = scales != nullptr ? x * scales[j * scale_row + g] : x;
-      }
-    chunk_scores(wide.data(), Eigen::Index{0}, d, Eigen::Index{1}, q, q_head, q_row, heads, group, nq, d, scale, s + j, lds);
+template <typename T, typename Scalar>
+void chunk_scores(simd::Rows<T> k, Eigen::Index n, simd::Queries<Scalar> q, simd::Scores<Scalar> s) noexcept {
+  if constexpr (std::is_same<T, Scalar>::value) {
+    native_chunk_scores(k, n, q, s);
+  } else {
+    const Eigen::Index kv_heads = (q.heads + q.group - 1) / q.group, d = q.d;
+    std::vector<float>& wide = widen_scratch(static_cast<std::size_t>(kv_heads * d));
+    for (Eigen::Index j = 0; j < n; ++j) {
+      for (Eigen::Index g = 0; g < kv_heads; ++g)
+        for (Eigen::Index c = 0; c < d; ++c) {
+          const float x = widen(k.data[j * k.row + g * k.head + c]);
+          wide[static_cast<std::size_t>(g * d + c)] = k.scales != nullptr ? x * k.scales[j * k.scale_row + g] : x;
+        }
+      simd::Scores<Scalar> sj = s;
+      sj.data += j;
+      native_chunk_scores(simd::Rows<float>{wide.data(), 0, d}, Eigen::Index{1}, q, sj);
+    }
   }
 }
 
 template <typename T>
-void add_weighted_rows_stored(float* acc, Eigen::Index n, const float* w, const T* rows, Eigen::Index stride,
-                              const float* scales, Eigen::Index scale_stride, Eigen::Index m, Eigen::Index /*ahead*/ = 0) noexcept {
+void add_weighted_rows_stored(float* acc, Eigen::Index n, const float* w, simd::Rows<T> rows, Eigen::Index m,
+                              Eigen::Index /*ahead*/ = 0) noexcept {
   std::vector<float>& wide = widen_scratch(static_cast<std::size_t>(n));
   for (Eigen::Index j = 0; j < m; ++j) {
     for (Eigen::Index c = 0; c < n; ++c) {
-      const float x = widen(rows[j * stride + c]);
-      wide[static_cast<std::size_t>(c)] = scales != nullptr ? x * scales[j * scale_stride] : x;
+      const float x = widen(rows.data[j * rows.row + c]);
+      wide[static_cast<std::size_t>(c)] = rows.scales != nullptr ? x * rows.scales[j * rows.scale_row] : x;
     }
     add_weighted_rows(acc, n, w + j, wide.data(), n, Eigen::Index{1});
   }
 }
 
 template <typename T>
-void add_weighted_rows_stored_heads(float* acc, Eigen::Index acc_head, Eigen::Index n, const float* w, Eigen::Index w_head,
-                                    const T* rows, Eigen::Index stride, Eigen::Index head_stride, const float* scales,
-                                    Eigen::Index scale_stride, Eigen::Index heads, Eigen::Index group, Eigen::Index m,
+void add_weighted_rows_stored_heads(simd::HeadSums<float> sums, Eigen::Index n, simd::Rows<T> rows, Eigen::Index m,
                                     Eigen::Index /*ahead*/) noexcept {
-  for (Eigen::Index h = 0; h < heads; ++h) {
-    const Eigen::Index g = h / group;
-    add_weighted_rows_stored(acc + h * acc_head, n, w + h * w_head, rows + g * head_stride, stride,
-                             scales != nullptr ? scales + g : nullptr, scale_stride, m);
-  }
+  for (Eigen::Index h = 0; h < sums.heads; ++h)
+    add_weighted_rows_stored(sums.acc + h * sums.acc_head, n, sums.w + h * sums.w_head, rows.at(0, h / sums.group), m);
 }
 
 template <typename T>
-void widen_rows(const T* src, Eigen::Index lds, Eigen::Index rows, Eigen::Index cols, const float* scales,
-                Eigen::Index scale_stride, Eigen::Index span, float* dst, Eigen::Index ldd) noexcept {
+void widen_rows(simd::Rows<T> src, Eigen::Index rows, Eigen::Index cols, Eigen::Index span, float* dst,
+                Eigen::Index ldd) noexcept {
   for (Eigen::Index r = 0; r < rows; ++r)
     for (Eigen::Index c = 0; c < cols; ++c) {
-      const float x = widen(src[r * lds + c]);
-      dst[r * ldd + c] = scales != nullptr ? x * scales[r * scale_stride + c / span] : x;
+      const float x = widen(src.data[r * src.row + c]);
+      dst[r * ldd + c] = src.scales != nullptr ? x * src.scales[r * src.scale_row + c / span] : x;
     }
 }
 
