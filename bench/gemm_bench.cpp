@@ -102,9 +102,11 @@ void ours(benchmark::State& state, Shape s, int threads, bool keep_workspace) {
   sdpa::gemm::Workspace<float>* ws = keep_workspace ? &workspace : nullptr;
   time_product(state, 2.0 * s.m * s.n * s.k, threads, [&]() {
     if (s.op == Op::kNT) {
-      sdpa::gemm::gemm_nt(s.m, s.n, s.k, 1.0f, x.a.data(), s.k, x.b.data(), s.k, 0.0f, x.c.data(), s.n, device, ws);
+      sdpa::gemm::gemm_nt<float>({s.m, s.n, s.k}, 1.0f, {x.a.data(), s.k}, {x.b.data(), s.k}, 0.0f, {x.c.data(), s.n},
+                                 {device, ws});
     } else {
-      sdpa::gemm::gemm_nn(s.m, s.n, s.k, 1.0f, x.a.data(), s.k, x.b.data(), s.n, 0.0f, x.c.data(), s.n, device, ws);
+      sdpa::gemm::gemm_nn<float>({s.m, s.n, s.k}, 1.0f, {x.a.data(), s.k}, {x.b.data(), s.n}, 0.0f, {x.c.data(), s.n},
+                                 {device, ws});
     }
   });
 }
@@ -126,7 +128,7 @@ void ours_packed(benchmark::State& state, Shape s, AUse a_use) {
   pa.pack(s.m, s.k, x.a.data(), s.k);
   time_product(state, 2.0 * s.m * s.n * s.k, 1, [&]() {
     if (a_use == AUse::kInPlace) {
-      sdpa::gemm::multiply(s.m, x.a.data(), s.k, pb, 1.0f, 0.0f, x.c.data(), s.n);
+      sdpa::gemm::multiply(s.m, {x.a.data(), s.k}, pb, 1.0f, 0.0f, {x.c.data(), s.n});
       return;
     }
     if (a_use == AUse::kPackedEachCall) pa.pack(s.m, s.k, x.a.data(), s.k);

@@ -120,13 +120,16 @@ std::vector<Scalar> run(Op op, const Shape& s, Scalar alpha, Scalar beta, const 
   std::vector<Scalar> c = x.c0;
   switch (op) {
     case Op::kNT:
-      gemm::gemm_nt(s.m, s.n, s.k, alpha, x.a.data(), x.lda, x.b.data(), x.ldb, beta, c.data(), x.ldc, device);
+      gemm::gemm_nt<Scalar>({s.m, s.n, s.k}, alpha, {x.a.data(), x.lda}, {x.b.data(), x.ldb}, beta, {c.data(), x.ldc},
+                            {device});
       break;
     case Op::kNN:
-      gemm::gemm_nn(s.m, s.n, s.k, alpha, x.a.data(), x.lda, x.b.data(), x.ldb, beta, c.data(), x.ldc, device);
+      gemm::gemm_nn<Scalar>({s.m, s.n, s.k}, alpha, {x.a.data(), x.lda}, {x.b.data(), x.ldb}, beta, {c.data(), x.ldc},
+                            {device});
       break;
     case Op::kNTBias:
-      gemm::gemm_nt_bias(s.m, s.n, s.k, x.a.data(), x.lda, x.b.data(), x.ldb, x.bias.data(), c.data(), x.ldc, device);
+      gemm::gemm_nt_bias<Scalar>({s.m, s.n, s.k}, {x.a.data(), x.lda}, {x.b.data(), x.ldb}, x.bias.data(),
+                                 {c.data(), x.ldc}, {device});
       break;
     case Op::kPackedNT:
     case Op::kPackedNN: {
@@ -149,7 +152,7 @@ std::vector<Scalar> run(Op op, const Shape& s, Scalar alpha, Scalar beta, const 
       } else {
         pb.pack_nn(s.k, s.n, x.b.data(), x.ldb);
       }
-      gemm::multiply(s.m, x.a.data(), x.lda, pb, alpha, beta, c.data(), x.ldc, nullptr, device);
+      gemm::multiply(s.m, {x.a.data(), x.lda}, pb, alpha, beta, {c.data(), x.ldc}, nullptr, device);
       break;
     }
   }
@@ -350,15 +353,16 @@ TYPED_TEST(GemmTest, SharedANtBiasMatchesEachProductAlone) {
                                  std::to_string(ns.size());
         std::vector<Scalar> one = fused, two = fused;
         for (std::size_t o = 0; o < products.size(); ++o) products[o].c = one.data() + (products[o].c - fused.data());
-        gemm::gemm_nt_bias_shared<Scalar>(m, k, a.data(), lda, products.data(), products.size());
+        gemm::gemm_nt_bias_shared<Scalar>(m, k, {a.data(), lda}, products.data(), products.size());
         for (std::size_t o = 0; o < products.size(); ++o) products[o].c = two.data() + (products[o].c - one.data());
-        gemm::gemm_nt_bias_shared<Scalar>(m, k, a.data(), lda, products.data(), products.size(), two_threads());
+        gemm::gemm_nt_bias_shared<Scalar>(m, k, {a.data(), lda}, products.data(), products.size(), {two_threads()});
         EXPECT_TRUE(std::memcmp(one.data(), two.data(), one.size() * sizeof(Scalar)) == 0) << what << ": 2 threads differ";
         // Each output alone, into a copy of the sentinel-filled buffer at the same place.
         std::vector<Scalar> alone = fused;
         offset = 0;
         for (std::size_t o = 0; o < ns.size(); ++o) {
-          gemm::gemm_nt_bias(m, ns[o], k, a.data(), lda, w[o].data(), k + 2, bias[o].data(), alone.data() + offset, ldc);
+          gemm::gemm_nt_bias<Scalar>({m, ns[o], k}, {a.data(), lda}, {w[o].data(), k + 2}, bias[o].data(),
+                                     {alone.data() + offset, ldc});
           offset += ns[o];
         }
         EXPECT_TRUE(std::memcmp(one.data(), alone.data(), one.size() * sizeof(Scalar)) == 0)
@@ -389,13 +393,13 @@ TYPED_TEST(GemmTest, NoProductTerm) {
   std::vector<Scalar> a(to_size(m * k), nan), b(to_size(n * k), nan), bias(to_size(n), Scalar(2));
   for (const auto& [alpha, kk] : {std::pair<Scalar, Index>{Scalar(0), k}, std::pair<Scalar, Index>{Scalar(1), 0}}) {
     std::vector<Scalar> c(to_size(m * n), Scalar(3));
-    gemm::gemm_nt(m, n, kk, alpha, a.data(), k, b.data(), k, Scalar(0.5), c.data(), n);
+    gemm::gemm_nt<Scalar>({m, n, kk}, alpha, {a.data(), k}, {b.data(), k}, Scalar(0.5), {c.data(), n});
     for (Scalar x : c) ASSERT_EQ(x, Scalar(1.5));
-    gemm::gemm_nn(m, n, kk, alpha, a.data(), k, b.data(), n, Scalar(0), c.data(), n);
+    gemm::gemm_nn<Scalar>({m, n, kk}, alpha, {a.data(), k}, {b.data(), n}, Scalar(0), {c.data(), n});
     for (Scalar x : c) ASSERT_EQ(x, Scalar(0));
   }
   std::vector<Scalar> c(to_size(m * n), nan);
-  gemm::gemm_nt_bias(m, n, Index{0}, a.data(), k, b.data(), k, bias.data(), c.data(), n);
+  gemm::gemm_nt_bias<Scalar>({m, n, Index{0}}, {a.data(), k}, {b.data(), k}, bias.data(), {c.data(), n});
   for (Scalar x : c) ASSERT_EQ(x, Scalar(2));
 }
 
@@ -413,7 +417,8 @@ TYPED_TEST(GemmTest, MisalignedPointers) {
   };
   const std::vector<Scalar> a1 = shifted(x.a), b1 = shifted(x.b);
   std::vector<Scalar> c1 = shifted(x.c0);
-  gemm::gemm_nt(m, n, k, Scalar(1), a1.data() + 1, x.lda, b1.data() + 1, x.ldb, Scalar(1), c1.data() + 1, x.ldc);
+  gemm::gemm_nt<Scalar>({m, n, k}, Scalar(1), {a1.data() + 1, x.lda}, {b1.data() + 1, x.ldb}, Scalar(1),
+                        {c1.data() + 1, x.ldc});
   const std::vector<Scalar> c(c1.begin() + 1, c1.end());
   expect_matches(Op::kNT, {m, n, k}, 1.0, 1.0, x, c, "misaligned gemm_nt");
 }
@@ -436,12 +441,12 @@ TYPED_TEST(GemmTest, PackedReuseAndAgreement) {
       pa.pack(s.m, s.k, x.a.data(), x.lda);
       if (op == Op::kNT) {
         pb.pack_nt(s.n, s.k, x.b.data(), x.ldb);
-        gemm::gemm_nt(s.m, s.n, s.k, Scalar(0.75), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(-1), direct.data(),
-                      x.ldc);
+        gemm::gemm_nt<Scalar>({s.m, s.n, s.k}, Scalar(0.75), {x.a.data(), x.lda}, {x.b.data(), x.ldb}, Scalar(-1),
+                              {direct.data(), x.ldc});
       } else {
         pb.pack_nn(s.k, s.n, x.b.data(), x.ldb);
-        gemm::gemm_nn(s.m, s.n, s.k, Scalar(0.75), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(-1), direct.data(),
-                      x.ldc);
+        gemm::gemm_nn<Scalar>({s.m, s.n, s.k}, Scalar(0.75), {x.a.data(), x.lda}, {x.b.data(), x.ldb}, Scalar(-1),
+                              {direct.data(), x.ldc});
       }
       ASSERT_EQ(pa.rows(), s.m);
       ASSERT_EQ(pa.depth(), s.k);
@@ -472,22 +477,22 @@ TYPED_TEST(GemmTest, WorkspaceReuse) {
         std::vector<Scalar> own = x.c0, kept = x.c0;
         switch (op) {
           case Op::kNT:
-            gemm::gemm_nt(s.m, s.n, s.k, Scalar(2), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(0.5), own.data(),
-                          x.ldc, device);
-            gemm::gemm_nt(s.m, s.n, s.k, Scalar(2), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(0.5), kept.data(),
-                          x.ldc, device, &workspace);
+            gemm::gemm_nt<Scalar>({s.m, s.n, s.k}, Scalar(2), {x.a.data(), x.lda}, {x.b.data(), x.ldb}, Scalar(0.5),
+                                  {own.data(), x.ldc}, {device});
+            gemm::gemm_nt<Scalar>({s.m, s.n, s.k}, Scalar(2), {x.a.data(), x.lda}, {x.b.data(), x.ldb}, Scalar(0.5),
+                                  {kept.data(), x.ldc}, {device, &workspace});
             break;
           case Op::kNN:
-            gemm::gemm_nn(s.m, s.n, s.k, Scalar(2), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(0.5), own.data(),
-                          x.ldc, device);
-            gemm::gemm_nn(s.m, s.n, s.k, Scalar(2), x.a.data(), x.lda, x.b.data(), x.ldb, Scalar(0.5), kept.data(),
-                          x.ldc, device, &workspace);
+            gemm::gemm_nn<Scalar>({s.m, s.n, s.k}, Scalar(2), {x.a.data(), x.lda}, {x.b.data(), x.ldb}, Scalar(0.5),
+                                  {own.data(), x.ldc}, {device});
+            gemm::gemm_nn<Scalar>({s.m, s.n, s.k}, Scalar(2), {x.a.data(), x.lda}, {x.b.data(), x.ldb}, Scalar(0.5),
+                                  {kept.data(), x.ldc}, {device, &workspace});
             break;
           default:
-            gemm::gemm_nt_bias(s.m, s.n, s.k, x.a.data(), x.lda, x.b.data(), x.ldb, x.bias.data(), own.data(), x.ldc,
-                               device);
-            gemm::gemm_nt_bias(s.m, s.n, s.k, x.a.data(), x.lda, x.b.data(), x.ldb, x.bias.data(), kept.data(), x.ldc,
-                               device, &workspace);
+            gemm::gemm_nt_bias<Scalar>({s.m, s.n, s.k}, {x.a.data(), x.lda}, {x.b.data(), x.ldb}, x.bias.data(),
+                                       {own.data(), x.ldc}, {device});
+            gemm::gemm_nt_bias<Scalar>({s.m, s.n, s.k}, {x.a.data(), x.lda}, {x.b.data(), x.ldb}, x.bias.data(),
+                                       {kept.data(), x.ldc}, {device, &workspace});
             break;
         }
         EXPECT_TRUE(std::memcmp(own.data(), kept.data(), own.size() * sizeof(Scalar)) == 0)
@@ -511,7 +516,7 @@ TYPED_TEST(GemmTest, PackedBias) {
     std::vector<Scalar> one = x.c0, two = x.c0, in_place = x.c0;
     gemm::multiply(pa, pb, Scalar(1), Scalar(0), one.data(), x.ldc, x.bias.data());
     gemm::multiply(pa, pb, Scalar(1), Scalar(0), two.data(), x.ldc, x.bias.data(), two_threads());
-    gemm::multiply(s.m, x.a.data(), x.lda, pb, Scalar(1), Scalar(0), in_place.data(), x.ldc, x.bias.data());
+    gemm::multiply(s.m, {x.a.data(), x.lda}, pb, Scalar(1), Scalar(0), {in_place.data(), x.ldc}, x.bias.data());
     expect_matches(Op::kNTBias, s, 1.0, 0.0, x, one, "packed bias m=" + std::to_string(s.m));
     expect_matches(Op::kNTBias, s, 1.0, 0.0, x, in_place, "in-place A bias m=" + std::to_string(s.m));
     EXPECT_TRUE(std::memcmp(one.data(), two.data(), one.size() * sizeof(Scalar)) == 0);
@@ -546,7 +551,7 @@ TYPED_TEST(GemmTest, AttentionTilePattern) {
     for (Index i = 0; i < groups; ++i) {
       gemm::multiply(qa[to_size(i)], kb, scale, Scalar(0), s.data(), bk);
       if (j % 2 == 0) {
-        gemm::multiply(bq, s.data(), bk, vb, Scalar(1), Scalar(1), o.data() + i * bq * dv, dv);
+        gemm::multiply(bq, {s.data(), bk}, vb, Scalar(1), Scalar(1), {o.data() + i * bq * dv, dv});
       } else {
         sa.pack(bq, bk, s.data(), bk);
         gemm::multiply(sa, vb, Scalar(1), Scalar(1), o.data() + i * bq * dv, dv);
@@ -641,10 +646,10 @@ TYPED_TEST(GemmTest, NarrowEdgeTileGivesTheFullTilesBits) {
       for (Scalar& x : a) x = Scalar(u(gen));
       for (Scalar& x : b) x = Scalar(u(gen));
       std::vector<Scalar> full(to_size(m * wide));
-      gemm::gemm_nt(m, wide, k, Scalar(1), a.data(), k, b.data(), k, Scalar(0), full.data(), wide);
+      gemm::gemm_nt<Scalar>({m, wide, k}, Scalar(1), {a.data(), k}, {b.data(), k}, Scalar(0), {full.data(), wide});
       for (const Index n : {nr + 1, nr + nr / 2 - 1, nr + nr / 2}) {  // edges of 1 .. nr / 2 columns
         std::vector<Scalar> narrow(to_size(m * n));
-        gemm::gemm_nt(m, n, k, Scalar(1), a.data(), k, b.data(), k, Scalar(0), narrow.data(), n);
+        gemm::gemm_nt<Scalar>({m, n, k}, Scalar(1), {a.data(), k}, {b.data(), k}, Scalar(0), {narrow.data(), n});
         for (Index i = 0; i < m; ++i)
           ASSERT_EQ(std::memcmp(narrow.data() + i * n, full.data() + i * wide, to_size(n) * sizeof(Scalar)), 0)
               << "m " << m << " k " << k << " n " << n << " row " << i;
@@ -684,10 +689,10 @@ TYPED_TEST(GemmTest, FullTileGivesTheEdgeTilesBits) {
           K::pack_a(m, k, a.data(), lda, pa.data());
           const sdpa::gemm::detail::Epilogue<T> ep{T(1), T(0), nullptr, true};
           std::vector<T> packed(to_size(m * n)), in_place(to_size(m * n)), rows(to_size(m * n));
-          K::block(k, m, n, pa.data(), pb, packed.data(), n, ep);
-          K::block_rows(k, m, n, a.data(), lda, pb, in_place.data(), n, ep);
+          K::block({m, n, k}, pa.data(), pb, {packed.data(), n}, ep);
+          K::block_rows({m, n, k}, {a.data(), lda}, pb, {in_place.data(), n}, ep);
           for (Index i = 0; i < m; ++i)
-            K::block_in_place(k, 1, n, a.data() + i * lda, lda, pb, rows.data() + i * n, n, ep);
+            K::block_in_place({1, n, k}, {a.data() + i * lda, lda}, pb, {rows.data() + i * n, n}, ep);
           for (Index i = 0; i < m; ++i) {
             const auto where = ::testing::Message() << "m " << m << " k " << k << " row " << i;
             ASSERT_EQ(std::memcmp(packed.data() + i * n, rows.data() + i * n, to_size(n) * sizeof(T)), 0) << where;

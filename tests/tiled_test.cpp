@@ -838,12 +838,14 @@ TYPED_TEST(TiledTest, QueriesReadInPlaceGiveThePackedScores) {
         for (T& x : v) x = T(uniform(gen));
         const T alpha = T(1) / std::sqrt(T(d));
         std::vector<T> packed(static_cast<std::size_t>(rows * lds), T(-3)), in_place = packed;
-        sdpa::kernels::TileProducts<T> products(rows, cols, 1, d, d, sdpa::active_isa());
+        sdpa::kernels::TileProducts<T> products(sdpa::kernels::TileShape{rows, cols, 1, d, d}, sdpa::active_isa());
         products.set_keys(k.data(), ldk, v.data(), ldk, cols);
         products.new_group(/*single_key_block=*/false);
-        products.scores(0, q.data(), ldq, rows, 0, rows, 0, cols, alpha, packed.data(), lds);
+        products.scores(0, {q.data(), ldq}, sdpa::kernels::TileRect{rows, 0, rows, 0, cols}, alpha,
+                        {packed.data(), lds});
         products.new_group(/*single_key_block=*/true);
-        products.scores(0, q.data(), ldq, rows, 0, rows, 0, cols, alpha, in_place.data(), lds);
+        products.scores(0, {q.data(), ldq}, sdpa::kernels::TileRect{rows, 0, rows, 0, cols}, alpha,
+                        {in_place.data(), lds});
         const auto where = ::testing::Message() << "rows " << rows << " cols " << cols << " d " << d;
         ASSERT_EQ(std::memcmp(packed.data(), in_place.data(), packed.size() * sizeof(T)), 0) << where;
         // And they are the scores (the padding between rows untouched).

@@ -131,7 +131,8 @@ class Linear {
       kernels::project_rows<Scalar>(x, rows, in_, ldx, &t, 1, device);
       return;
     }
-    kernels::gemm_bias_rows(x, rows, in_features(), ldx, weight_.data(), out_features(), bias_.data(), y, ldy, device);
+    kernels::gemm_bias_rows({rows, out_features(), in_features()}, {x, ldx}, weight_.data(), bias_.data(), {y, ldy},
+                            device);
   }
 
   // Applies the layer to the last dimension of a row-major tensor of any rank (PyTorch's broadcasting

@@ -22,6 +22,7 @@
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/kernel.hpp"
 #include "sdpa/gemm/loops.hpp"
+#include "sdpa/gemm/operands.hpp"
 #include "sdpa/gemm/packed.hpp"
 #include "sdpa/gemm/workspace.hpp"
 #include "sdpa/parallel.hpp"
@@ -41,42 +42,36 @@ inline void check_operands(Eigen::Index m, Eigen::Index n, Eigen::Index k, Eigen
 }
 }  // namespace detail
 
-// Every function below runs on the path `isa` names (sdpa/cpu.hpp; by default the one chosen now).
+// Every function below runs on the path its context names (sdpa/cpu.hpp; by default the one chosen now).
 
-// C[m, n] (ldc) = alpha * A[m, k] (lda) * B[n, k]^T (ldb) + beta * C.
+// C[m, n] = alpha * A[m, k] * B[n, k]^T + beta * C.
 template <typename Scalar>
-void gemm_nt(Eigen::Index m, Eigen::Index n, Eigen::Index k, detail::NoDeduceT<Scalar> alpha, const Scalar* a,
-             Eigen::Index lda, const Scalar* b, Eigen::Index ldb, detail::NoDeduceT<Scalar> beta, Scalar* c,
-             Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr,
-             Workspace<Scalar>* workspace = nullptr, Isa isa = active_isa()) {
-  detail::check_operands(m, n, k, lda, k, ldb, ldc);
-  if (n <= 0) return;
-  const detail::Output<Scalar> out{n, b, ldb, /*transposed=*/true, nullptr, c, ldc};
-  detail::gemm_loops<Scalar>(isa, m, k, alpha, a, lda, &out, 1, beta, device, workspace);
+void gemm_nt(Shape s, detail::NoDeduceT<Scalar> alpha, Matrix<const Scalar> a, Matrix<const Scalar> b,
+             detail::NoDeduceT<Scalar> beta, Matrix<Scalar> c, const Context<Scalar>& context = {}) {
+  detail::check_operands(s.m, s.n, s.k, a.ld, s.k, b.ld, c.ld);
+  if (s.n <= 0) return;
+  const detail::Output<Scalar> out{s.n, b.data, b.ld, /*transposed=*/true, nullptr, c.data, c.ld};
+  detail::gemm_loops<Scalar>(s.m, s.k, alpha, a, &out, 1, beta, context);
 }
 
-// C[m, n] (ldc) = alpha * A[m, k] (lda) * B[k, n] (ldb) + beta * C.
+// C[m, n] = alpha * A[m, k] * B[k, n] + beta * C.
 template <typename Scalar>
-void gemm_nn(Eigen::Index m, Eigen::Index n, Eigen::Index k, detail::NoDeduceT<Scalar> alpha, const Scalar* a,
-             Eigen::Index lda, const Scalar* b, Eigen::Index ldb, detail::NoDeduceT<Scalar> beta, Scalar* c,
-             Eigen::Index ldc, const Eigen::ThreadPoolDevice* device = nullptr,
-             Workspace<Scalar>* workspace = nullptr, Isa isa = active_isa()) {
-  detail::check_operands(m, n, k, lda, n, ldb, ldc);
-  if (n <= 0) return;
-  const detail::Output<Scalar> out{n, b, ldb, /*transposed=*/false, nullptr, c, ldc};
-  detail::gemm_loops<Scalar>(isa, m, k, alpha, a, lda, &out, 1, beta, device, workspace);
+void gemm_nn(Shape s, detail::NoDeduceT<Scalar> alpha, Matrix<const Scalar> a, Matrix<const Scalar> b,
+             detail::NoDeduceT<Scalar> beta, Matrix<Scalar> c, const Context<Scalar>& context = {}) {
+  detail::check_operands(s.m, s.n, s.k, a.ld, s.n, b.ld, c.ld);
+  if (s.n <= 0) return;
+  const detail::Output<Scalar> out{s.n, b.data, b.ld, /*transposed=*/false, nullptr, c.data, c.ld};
+  detail::gemm_loops<Scalar>(s.m, s.k, alpha, a, &out, 1, beta, context);
 }
 
-// The projection y = x W^T + b: C[m, n] (ldc) = A[m, k] (lda) * W[n, k]^T (ldw) + bias[n]. C is not read.
+// The projection y = x W^T + b: C[m, n] = A[m, k] * W[n, k]^T + bias[n]. C is not read.
 template <typename Scalar>
-void gemm_nt_bias(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* w,
-                  Eigen::Index ldw, detail::NoDeduceT<const Scalar*> bias, Scalar* c, Eigen::Index ldc,
-                  const Eigen::ThreadPoolDevice* device = nullptr, Workspace<Scalar>* workspace = nullptr,
-                  Isa isa = active_isa()) {
-  detail::check_operands(m, n, k, lda, k, ldw, ldc);
-  if (n <= 0) return;
-  const detail::Output<Scalar> out{n, w, ldw, /*transposed=*/true, bias, c, ldc};
-  detail::gemm_loops<Scalar>(isa, m, k, Scalar(1), a, lda, &out, 1, Scalar(0), device, workspace);
+void gemm_nt_bias(Shape s, Matrix<const Scalar> a, Matrix<const Scalar> w, detail::NoDeduceT<const Scalar*> bias,
+                  Matrix<Scalar> c, const Context<Scalar>& context = {}) {
+  detail::check_operands(s.m, s.n, s.k, a.ld, s.k, w.ld, c.ld);
+  if (s.n <= 0) return;
+  const detail::Output<Scalar> out{s.n, w.data, w.ld, /*transposed=*/true, bias, c.data, c.ld};
+  detail::gemm_loops<Scalar>(s.m, s.k, Scalar(1), a, &out, 1, Scalar(0), context);
 }
 
 // One projection of gemm_nt_bias_shared: C[m, n] (ldc) = A W[n, k]^T (ldw) + bias[n].
@@ -98,20 +93,18 @@ struct BiasedProduct {
 // worker idles at an output's tail); more than 8 outputs run 8 at a time. Each output gets the bits
 // gemm_nt_bias gives it.
 template <typename Scalar>
-void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, const Scalar* a, Eigen::Index lda,
-                         const BiasedProduct<Scalar>* products, std::size_t count,
-                         const Eigen::ThreadPoolDevice* device = nullptr, Workspace<Scalar>* workspace = nullptr,
-                         Isa isa = active_isa()) {
+void gemm_nt_bias_shared(Eigen::Index m, Eigen::Index k, Matrix<const Scalar> a, const BiasedProduct<Scalar>* products,
+                         std::size_t count, const Context<Scalar>& context = {}) {
   constexpr std::size_t kGroup = detail::kMaxOutputs;
   for (std::size_t o0 = 0; o0 < count; o0 += kGroup) {
     const std::size_t group = std::min(kGroup, count - o0);
     detail::Output<Scalar> outputs[kGroup] = {};
     for (std::size_t o = 0; o < group; ++o) {
       const BiasedProduct<Scalar>& p = products[o0 + o];
-      detail::check_operands(m, p.n, k, lda, k, p.ldw, p.ldc);
+      detail::check_operands(m, p.n, k, a.ld, k, p.ldw, p.ldc);
       outputs[o] = {p.n, p.w, p.ldw, /*transposed=*/true, p.bias, p.c, p.ldc, p.storage, p.w_stored};
     }
-    detail::gemm_loops<Scalar>(isa, m, k, Scalar(1), a, lda, outputs, group, Scalar(0), device, workspace);
+    detail::gemm_loops<Scalar>(m, k, Scalar(1), a, outputs, group, Scalar(0), context);
   }
 }
 

@@ -5,8 +5,8 @@
 //   K::kShapeDependentRounding   whether an element's rounding depends on the block it falls in (Eigen's)
 //   K::pack_a(rows, kc, a, lda, dst), K::pack_b_rows(cols, kc, b, ldb, dst) (B given as b[n, k]),
 //   K::pack_b_cols(cols, kc, b, ldb, dst) (B given as b[k, n]): operands into mr- and nr-wide slivers
-//   K::block(kc, rows, cols, packed_a, packed_b, c, ldc, epilogue): rows x cols of C from one k block
-//   K::block_in_place(kc, rows, cols, a, lda, packed_b, c, ldc, epilogue): A read where it lies
+//   K::block({rows, cols, kc}, packed_a, packed_b, {c, ldc}, epilogue): rows x cols of C from one k block
+//   K::block_in_place({rows, cols, kc}, {a, lda}, packed_b, {c, ldc}, epilogue): A read where it lies
 //   K::block_rows(...): the same for A from L3 or memory (the next rows' A is prefetched to L2)
 // and every element of C goes through the same operations whichever tile it falls in, so results do not
 // depend on how the loops split the work.

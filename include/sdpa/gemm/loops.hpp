@@ -24,6 +24,7 @@
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
 #include "sdpa/gemm/kernel.hpp"
+#include "sdpa/gemm/operands.hpp"
 #include "sdpa/gemm/workspace.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/storage.hpp"
@@ -150,10 +151,13 @@ constexpr std::size_t kMaxOutputs = 8;
 // The outputs' products with one A[m, k], row-major (a fused projection: q, k and v from the same rows):
 // their work items share one queue.
 template <typename K, typename Scalar>
-void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
-                const Output<Scalar>* outputs, std::size_t count, Scalar beta, const Eigen::ThreadPoolDevice* device,
-                Workspace<Scalar>* workspace) {
+void kernel_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, Matrix<const Scalar> a_rows,
+                  const Output<Scalar>* outputs, std::size_t count, Scalar beta, const Context<Scalar>& context) {
   using Index = Eigen::Index;
+  const Eigen::ThreadPoolDevice* device = context.device;
+  Workspace<Scalar>* workspace = context.workspace;
+  const Scalar* a = a_rows.data;
+  const Index lda = a_rows.ld;
   if (m <= 0) return;
   if (k <= 0 || alpha == Scalar(0)) {
     for (std::size_t o = 0; o < count; ++o) scale_only(m, outputs[o].n, beta, outputs[o].bias, outputs[o].c, outputs[o].ldc);
@@ -211,8 +215,8 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
       const Index cols = std::min(split.n_step, out.n - j0);
       out.template pack_b<K>(j0, cols, p0, kcp, b_block);
       const Epilogue<Scalar> ep{alpha, beta, out.bias != nullptr ? out.bias + j0 : nullptr, p0 == 0};
-      K::block_rows(kcp, item_rows, cols, a + (ic + i0) * lda + p0, lda, b_block, out.c + (ic + i0) * out.ldc + j0,
-                    out.ldc, ep);
+      K::block_rows({item_rows, cols, kcp}, {a + (ic + i0) * lda + p0, lda}, b_block,
+                    {out.c + (ic + i0) * out.ldc + j0, out.ldc}, ep);
     };
     if (k <= kc || total >= 2 * workers) {
       for (Index p0 = 0; p0 < k; p0 += kc) {
@@ -249,13 +253,12 @@ void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, E
   }
 }
 
-// The outputs on the kernel of `isa`.
+// kernel_loops on the kernel of the context's path.
 template <typename Scalar>
-void gemm_loops(Isa isa, Eigen::Index m, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
-                const Output<Scalar>* outputs, std::size_t count, Scalar beta, const Eigen::ThreadPoolDevice* device,
-                Workspace<Scalar>* workspace) {
-  simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) {
-    gemm_loops<decltype(kernel), Scalar>(m, k, alpha, a, lda, outputs, count, beta, device, workspace);
+void gemm_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, Matrix<const Scalar> a, const Output<Scalar>* outputs,
+                std::size_t count, Scalar beta, const Context<Scalar>& context) {
+  simd::with_gemm_kernel<Scalar>(context.isa, [&](auto kernel) {
+    kernel_loops<decltype(kernel), Scalar>(m, k, alpha, a, outputs, count, beta, context);
   });
 }
 

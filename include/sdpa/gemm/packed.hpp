@@ -8,7 +8,7 @@
 //            the product is A b^T), pack_nn(k, n, b, ldb) takes b[k, n] (values: the product is A b).
 //   multiply(pa, pb, alpha, beta, c, ldc, bias = nullptr, device = nullptr)
 //            C[m, n] = alpha * A B + beta * C (+ bias[n]); beta = 0 never reads C.
-//   multiply(m, a, lda, pb, alpha, beta, c, ldc, bias = nullptr, device = nullptr)
+//   multiply(m, {a, lda}, pb, alpha, beta, {c, ldc}, bias = nullptr, device = nullptr)
 //            the same with A read in place from row-major a[m, k]: for an A used once (the probabilities
 //            of p v), which packing would cost a transpose of m x k for a single product.
 //
@@ -165,11 +165,16 @@ namespace detail {
 
 // multiply's loops on kernel K: every item runs its k blocks in order, so it needs no other item's result
 // and no buffer of its own. A is packed (a_packed) or read in place (a, lda).
+// The epilogue's alpha, beta and bias (bias[j] on column j) are the call's; its `first` is ignored.
 template <typename K, typename Scalar>
-void multiply_blocks(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a_packed, const Scalar* a,
-                     Eigen::Index lda, const Scalar* b_packed, Scalar alpha, Scalar beta, Scalar* c, Eigen::Index ldc,
-                     const Scalar* bias, const Eigen::ThreadPoolDevice* device) {
+void multiply_blocks(Shape s, const Scalar* a_packed, Matrix<const Scalar> a_rows, const Scalar* b_packed,
+                     Matrix<Scalar> c_rows, Epilogue<Scalar> call, const Eigen::ThreadPoolDevice* device) {
   using Index = Eigen::Index;
+  const Index m = s.m, n = s.n, k = s.k, lda = a_rows.ld, ldc = c_rows.ld;
+  const Scalar* a = a_rows.data;
+  Scalar* c = c_rows.data;
+  const Scalar alpha = call.alpha, beta = call.beta;
+  const Scalar* bias = call.bias;
   const Blocking& bl = blocking_of<K, Scalar>();
   const Split split(m, n, bl, min_items<K>(worker_count(device)));
   const Index m_padded = round_up(m, K::mr), n_padded = round_up(n, K::nr);
@@ -184,9 +189,9 @@ void multiply_blocks(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scala
         const Epilogue<Scalar> ep{alpha, beta, bias != nullptr ? bias + j0 : nullptr, p0 == 0};
         const Scalar* pb = b_packed + p0 * n_padded + j0 * kcp;
         if (a_packed != nullptr)
-          K::block(kcp, rows, cols, a_packed + p0 * m_padded + i0 * kcp, pb, c + i0 * ldc + j0, ldc, ep);
+          K::block({rows, cols, kcp}, a_packed + p0 * m_padded + i0 * kcp, pb, {c + i0 * ldc + j0, ldc}, ep);
         else
-          K::block_in_place(kcp, rows, cols, a + i0 * lda + p0, lda, pb, c + i0 * ldc + j0, ldc, ep);
+          K::block_in_place({rows, cols, kcp}, {a + i0 * lda + p0, lda}, pb, {c + i0 * ldc + j0, ldc}, ep);
       }
     }
   });
@@ -196,12 +201,10 @@ void multiply_blocks(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scala
 // sdpa/instances.hpp compiles the kernels' tiles for the packed products once per program (with
 // SDPA_EXTERN_TEMPLATES a caller's translation unit only calls it).
 template <typename Scalar>
-void multiply_packed(Isa isa, Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a_packed, const Scalar* a,
-                     Eigen::Index lda, const Scalar* b_packed, Scalar alpha, Scalar beta, Scalar* c, Eigen::Index ldc,
-                     const Scalar* bias, const Eigen::ThreadPoolDevice* device) {
-  simd::with_gemm_kernel<Scalar>(isa, [&](auto kernel) {
-    multiply_blocks<decltype(kernel), Scalar>(m, n, k, a_packed, a, lda, b_packed, alpha, beta, c, ldc, bias, device);
-  });
+void multiply_packed(Isa isa, Shape s, const Scalar* a_packed, Matrix<const Scalar> a, const Scalar* b_packed,
+                     Matrix<Scalar> c, Epilogue<Scalar> call, const Eigen::ThreadPoolDevice* device) {
+  simd::with_gemm_kernel<Scalar>(
+      isa, [&](auto kernel) { multiply_blocks<decltype(kernel), Scalar>(s, a_packed, a, b_packed, c, call, device); });
 }
 
 }  // namespace detail
@@ -222,26 +225,29 @@ void multiply(const PackedA<Scalar>& a, const PackedB<Scalar>& b, detail::NoDedu
     detail::scale_only(m, n, beta, bias, c, ldc);
     return;
   }
-  detail::multiply_packed<Scalar>(a.isa(), m, n, k, a.data(), nullptr, 0, b.data(), alpha, beta, c, ldc, bias, device);
+  detail::multiply_packed<Scalar>(a.isa(), {m, n, k}, a.data(), {}, b.data(), {c, ldc}, {alpha, beta, bias, true},
+                                  device);
 }
 
-// C[m, n] (ldc) = alpha * A B + beta * C (+ bias[n]) with A = a[m, b.depth()] (row-major, leading
-// dimension lda) read where it lies, on the path b was packed for.
+// C[m, n] = alpha * A B + beta * C (+ bias[n]) with A[m, b.depth()] read where it lies, on the path b
+// was packed for.
 template <typename Scalar>
-void multiply(Eigen::Index m, const Scalar* a, Eigen::Index lda, const PackedB<Scalar>& b,
-              detail::NoDeduceT<Scalar> alpha, detail::NoDeduceT<Scalar> beta, Scalar* c, Eigen::Index ldc,
-              detail::NoDeduceT<const Scalar*> bias = nullptr, const Eigen::ThreadPoolDevice* device = nullptr) {
+void multiply(Eigen::Index m, Matrix<const Scalar> a_rows, const PackedB<Scalar>& b, detail::NoDeduceT<Scalar> alpha,
+              detail::NoDeduceT<Scalar> beta, Matrix<Scalar> c_rows, detail::NoDeduceT<const Scalar*> bias = nullptr,
+              const Eigen::ThreadPoolDevice* device = nullptr) {
   using Index = Eigen::Index;
-  const Index n = b.cols(), k = b.depth();
+  const Index n = b.cols(), k = b.depth(), ldc = c_rows.ld;
+  Scalar* c = c_rows.data;
   eigen_assert(m >= 0 && "sdpa::gemm::multiply: negative m");
-  eigen_assert((m == 0 || k == 0 || lda >= k) && "sdpa::gemm::multiply: lda is smaller than k");
+  eigen_assert((m == 0 || k == 0 || a_rows.ld >= k) && "sdpa::gemm::multiply: lda is smaller than k");
   eigen_assert((m == 0 || ldc >= n) && "sdpa::gemm::multiply: ldc is smaller than n");
   if (m <= 0 || n == 0) return;
   if (k == 0 || alpha == Scalar(0)) {
     detail::scale_only(m, n, beta, bias, c, ldc);
     return;
   }
-  detail::multiply_packed<Scalar>(b.isa(), m, n, k, nullptr, a, lda, b.data(), alpha, beta, c, ldc, bias, device);
+  detail::multiply_packed<Scalar>(b.isa(), {m, n, k}, nullptr, a_rows, b.data(), c_rows, {alpha, beta, bias, true},
+                                  device);
 }
 
 }  // namespace gemm

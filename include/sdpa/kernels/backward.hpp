@@ -72,16 +72,16 @@ struct BackwardStatus {
 
 namespace detail {
 
-// c[m, n] (ldc) += a[k, m]^T (lda) * b[k, n] (ldb): the tile products that read a tile transposed (P^T dO,
+// c[m, n] += a[k, m]^T * b[k, n] (s = {m, n, k}): the tile products that read a tile transposed (P^T dO,
 // dS^T q). Eigen packs the transposed operand as it reads it, where a transposed copy followed by
 // gemm_nn_add would add a pass over the tile.
 template <typename Scalar>
-void gemm_tn_add(Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda, const Scalar* b,
-                 Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
+void gemm_tn_add(gemm::Shape s, gemm::Matrix<const Scalar> a, gemm::Matrix<const Scalar> b, gemm::Matrix<Scalar> c) {
   using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Stride = Eigen::OuterStride<>;
-  const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> as(a, k, m, Stride(lda)), bs(b, k, n, Stride(ldb));
-  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cs(c, m, n, Stride(ldc));
+  const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> as(a.data, s.k, s.m, Stride(a.ld)),
+      bs(b.data, s.k, s.n, Stride(b.ld));
+  Eigen::Map<RowMatrix, Eigen::Unaligned, Stride> cs(c.data, s.m, s.n, Stride(c.ld));
   cs.noalias() += as.transpose() * bs;
 }
 
@@ -311,12 +311,14 @@ class TiledBackward {
     // their gradients.
     if constexpr (std::is_same<Scalar, float>::value) {
       if (on_bf16)
-        bf16_.nt(ni, nj, p.d_v, 1.0f, dout, bp_.d_out.row_stride, p.value_row(b, h, first_key), p.v.row_stride, ds, ldd_);
+        bf16_.nt({ni, nj, p.d_v}, 1.0f, {dout, bp_.d_out.row_stride}, {p.value_row(b, h, first_key), p.v.row_stride},
+                 {ds, ldd_});
     }
     if (!on_bf16)
-      gemm_nt(p.isa, ni, nj, p.d_v, Scalar(1), dout, bp_.d_out.row_stride, p.value_row(b, h, first_key), p.v.row_stride,
-              ds, ldd_);
-    if (u != nullptr) gemm_nt(p.isa, ni, nj, p.d_k, p.scale, q, p.q.row_stride, k, p.k.row_stride, u, ldd_);
+      gemm_nt<Scalar>(p.isa, {ni, nj, p.d_v}, Scalar(1), {dout, bp_.d_out.row_stride},
+                      {p.value_row(b, h, first_key), p.v.row_stride}, {ds, ldd_});
+    if (u != nullptr)
+      gemm_nt<Scalar>(p.isa, {ni, nj, p.d_k}, p.scale, {q, p.q.row_stride}, {k, p.k.row_stride}, {u, ldd_});
     for (Index i = t.i0; i < t.i1; ++i) {
       const Index r = t.r0 + i, query = t.q0 + r;
       Scalar* pr = t.row(i);
@@ -379,17 +381,17 @@ class TiledBackward {
     }
     // The two products that read a tile transposed (on bf16_ as above; it rounds what it packs, rounded
     // already).
-    const auto tn_add = [&](Index rows, Index cols, Index depth, const Scalar* a, Index lda, const Scalar* bm, Index ldb,
-                            Scalar* c, Index ldc) {
+    const auto tn_add = [&](gemm::Shape s, gemm::Matrix<const Scalar> a, gemm::Matrix<const Scalar> bm,
+                            gemm::Matrix<Scalar> c) {
       if constexpr (std::is_same<Scalar, float>::value) {
-        if (on_bf16) return bf16_.tn_add(rows, cols, depth, a, lda, bm, ldb, c, ldc);
+        if (on_bf16) return bf16_.tn_add(s, a, bm, c);
       }
-      detail::gemm_tn_add(rows, cols, depth, a, lda, bm, ldb, c, ldc);
+      detail::gemm_tn_add(s, a, bm, c);
     };
     // With p = 1 every probability is dropped and dv gets nothing.
     if (!(p.dropout && p.keep_scale == Scalar(0)))
-      tn_add(nj, p.d_v, ni, t.row(t.i0), t.lds, dout, bp_.d_out.row_stride, bp_.d_v.row(b, h / p.kv_group, first_key),
-             bp_.d_v.row_stride);
+      tn_add({nj, p.d_v, ni}, {t.row(t.i0), t.lds}, {dout, bp_.d_out.row_stride},
+             {bp_.d_v.row(b, h / p.kv_group, first_key), bp_.d_v.row_stride});
     Scalar* dq = aligned(dq_buf_) + (t.r0 + t.i0) * p.d_k;
     if (t.any_hidden && !keys_finite(k, nj)) {
       // A hidden key passes no gradient, not even a NaN or infinity in its k row, which the product would
@@ -402,11 +404,13 @@ class TiledBackward {
           for (Index d = 0; d < p.d_k; ++d) dq[(i - t.i0) * p.d_k + d] += g * kj[d];
         }
     } else if (on_bf16) {
-      if constexpr (std::is_same<Scalar, float>::value) bf16_.nn_add(ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
+      if constexpr (std::is_same<Scalar, float>::value)
+        bf16_.nn_add({ni, p.d_k, nj}, {ds, ldd_}, {k, p.k.row_stride}, {dq, p.d_k});
     } else {
-      gemm_nn_add(p.isa, ni, p.d_k, nj, ds, ldd_, k, p.k.row_stride, dq, p.d_k);
+      gemm_nn_add<Scalar>(p.isa, {ni, p.d_k, nj}, {ds, ldd_}, {k, p.k.row_stride}, {dq, p.d_k});
     }
-    tn_add(nj, p.d_k, ni, ds, ldd_, q, p.q.row_stride, bp_.d_k.row(b, h / p.kv_group, first_key), bp_.d_k.row_stride);
+    tn_add({nj, p.d_k, ni}, {ds, ldd_}, {q, p.q.row_stride},
+           {bp_.d_k.row(b, h / p.kv_group, first_key), bp_.d_k.row_stride});
   }
 
   // dr (dL / d the function's result, over the row's segment) becomes dL / d the score it took: times

@@ -55,14 +55,18 @@ class Bf16TileProducts {
  public:
   using Index = Eigen::Index;
 
-  Bf16TileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v, Isa isa, Bf16Path path)
-      : d_k_(d_k), d_v_(d_v), block_q_(block_q), isa_(isa),
+  Bf16TileProducts(const TileShape& shape, Isa isa, Bf16Path path)
+      : d_k_(shape.d_k),
+        d_v_(shape.d_v),
+        block_q_(shape.block_q),
+        isa_(isa),
         // Never above what this CPU and OS run (asking for the tile state on the way), whatever the problem says.
         path_(std::min(path, isa == Isa::kAvx512 ? best_bf16_path() : Bf16Path::kEmulated)) {
-    const std::size_t g = static_cast<std::size_t>(group);
+    const Index block_q = shape.block_q, block_k = shape.block_k, d_k = shape.d_k, d_v = shape.d_v;
+    const std::size_t g = static_cast<std::size_t>(shape.group);
     q_ready_.assign(g, false);
     if (path_ == Bf16Path::kEmulated) {
-      emulated_ = std::make_unique<TileProducts<float>>(block_q, block_k, group, d_k, d_v, isa);
+      emulated_ = std::make_unique<TileProducts<float>>(shape, isa);
       q_round_.resize(g);
       for (auto& q : q_round_) q.resize(static_cast<std::size_t>(block_q * d_k));
       k_round_.resize(static_cast<std::size_t>(block_k * d_k));
@@ -97,8 +101,10 @@ class Bf16TileProducts {
 
   // TileProducts::scores' contract, on bfloat16 operands; but the hardware paths may also write the entries
   // of s around the rectangle that share its 16 x 16 tiles (s has block_q rows of lds >= block_k entries).
-  void scores(Index slot, const float* q, Index ldq, Index rows, Index i0, Index ni, Index j0, Index nj, float alpha,
-              float* s, Index lds) {
+  void scores(Index slot, gemm::Matrix<const float> qm, const TileRect& t, float alpha, gemm::Matrix<float> sm) {
+    const Index rows = t.rows, i0 = t.i0, ni = t.ni, j0 = t.j0, nj = t.nj, ldq = qm.ld, lds = sm.ld;
+    const float* q = qm.data;
+    float* s = sm.data;
     const std::size_t sl = static_cast<std::size_t>(slot);
     if (emulated_) {
       if (!k_ready_) {
@@ -111,7 +117,7 @@ class Bf16TileProducts {
         for (Index i = 0; i < rows; ++i) round_to_bf16(isa_, q + i * ldq, d_k_, q_round_[sl].data() + i * d_k_);
         q_ready_[sl] = true;
       }
-      emulated_->scores(slot, q_round_[sl].data(), d_k_, rows, i0, ni, j0, nj, alpha, s, lds);
+      emulated_->scores(slot, {q_round_[sl].data(), d_k_}, t, alpha, sm);
       return;
     }
 #if SDPA_DISPATCH
@@ -154,18 +160,21 @@ class Bf16TileProducts {
     avx512_bf16::scale_rows(c_.data() + (i0 - m_lo * 16) * x.ldc + (j0 - n_lo * 16), x.ldc, ni, nj, folded ? 1.0f : alpha,
                             s + i0 * lds + j0, lds);
 #else
-    (void)q, (void)ldq, (void)rows, (void)i0, (void)ni, (void)j0, (void)nj, (void)alpha, (void)s, (void)lds;
+    (void)q, (void)ldq, (void)rows, (void)i0, (void)ni, (void)j0, (void)nj, (void)alpha, (void)s, (void)lds, (void)sl;
 #endif
   }
 
   // TileProducts::accumulate's contract, on bfloat16 operands (p rounded as it is read).
-  void accumulate(Index rows, Index i0, Index ni, Index j0, Index nj, const float* p, Index ldp, float* o, Index ldo) {
+  void accumulate(const TileRect& t, gemm::Matrix<const float> pm, gemm::Matrix<float> om) {
+    const Index rows = t.rows, i0 = t.i0, ni = t.ni, j0 = t.j0, nj = t.nj, ldp = pm.ld, ldo = om.ld;
+    const float* p = pm.data;
+    float* o = om.data;
     if (emulated_) {
       // The scores came first for this key block: k and v are rounded. p's rectangle rounded into scratch.
       const Index need = (i0 + ni) * ldp;
       if (static_cast<Index>(p_round_.size()) < need) p_round_.resize(static_cast<std::size_t>(need));
       for (Index i = i0; i < i0 + ni; ++i) round_to_bf16(isa_, p + i * ldp + j0, nj, p_round_.data() + i * ldp + j0);
-      emulated_->accumulate(rows, i0, ni, j0, nj, p_round_.data(), ldp, o, ldo);
+      emulated_->accumulate(t, {p_round_.data(), ldp}, om);
       return;
     }
 #if SDPA_DISPATCH
@@ -268,8 +277,13 @@ class Bf16Gemm {
   // Whether the products run bfloat16 instructions here (else the caller's float products over rounded operands).
   bool hardware() const noexcept { return path_ != Bf16Path::kEmulated; }
 
-  // c[m, n] (ldc) = alpha * a[m, k] (lda) b[n, k]^T (ldb).
-  void nt(Index m, Index n, Index k, float alpha, const float* a, Index lda, const float* b, Index ldb, float* c, Index ldc) {
+  // c[m, n] = alpha * a[m, k] b[n, k]^T, for s = {m, n, k}.
+  void nt(gemm::Shape s, float alpha, gemm::Matrix<const float> am, gemm::Matrix<const float> bm,
+          gemm::Matrix<float> cm) {
+    const Index m = s.m, n = s.n, k = s.k, lda = am.ld, ldb = bm.ld, ldc = cm.ld;
+    const float* a = am.data;
+    const float* b = bm.data;
+    float* c = cm.data;
 #if SDPA_DISPATCH
     if (m <= 0 || n <= 0) return;
     const Shape x = shape(m, n, k);
@@ -282,8 +296,12 @@ class Bf16Gemm {
 #endif
   }
 
-  // c[m, n] (ldc) += a[m, k] (lda) b[k, n] (ldb).
-  void nn_add(Index m, Index n, Index k, const float* a, Index lda, const float* b, Index ldb, float* c, Index ldc) {
+  // c[m, n] += a[m, k] b[k, n].
+  void nn_add(gemm::Shape s, gemm::Matrix<const float> am, gemm::Matrix<const float> bm, gemm::Matrix<float> cm) {
+    const Index m = s.m, n = s.n, k = s.k, lda = am.ld, ldb = bm.ld, ldc = cm.ld;
+    const float* a = am.data;
+    const float* b = bm.data;
+    float* c = cm.data;
 #if SDPA_DISPATCH
     add(m, n, k, b, ldb, c, ldc, [&](const Shape& x) {
       avx512_bf16::pack_rows(bf16::Rect{a, lda, 0, m, 0, k}, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
@@ -293,8 +311,12 @@ class Bf16Gemm {
 #endif
   }
 
-  // c[m, n] (ldc) += a[k, m]^T (lda) b[k, n] (ldb).
-  void tn_add(Index m, Index n, Index k, const float* a, Index lda, const float* b, Index ldb, float* c, Index ldc) {
+  // c[m, n] += a[k, m]^T b[k, n].
+  void tn_add(gemm::Shape s, gemm::Matrix<const float> am, gemm::Matrix<const float> bm, gemm::Matrix<float> cm) {
+    const Index m = s.m, n = s.n, k = s.k, lda = am.ld, ldb = bm.ld, ldc = cm.ld;
+    const float* a = am.data;
+    const float* b = bm.data;
+    float* c = cm.data;
 #if SDPA_DISPATCH
     add(m, n, k, b, ldb, c, ldc, [&](const Shape& x) {
       avx512_bf16::pack_transposed_rows(a, lda, k, m, bf16::Block{a_.data(), x.k_pad, x.m_pad, x.k_pad});
@@ -366,12 +388,11 @@ class ComputeTileProducts {
  public:
   using Index = Eigen::Index;
 
-  ComputeTileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v, Isa isa, Compute compute,
-                      Bf16Path path, bool packed = true)
-      : float_(block_q, block_k, compute == Compute::kBf16 ? 1 : group, compute == Compute::kBf16 ? 1 : d_k,
-               compute == Compute::kBf16 ? 1 : d_v, isa, packed) {
+  // (The float products of a kBf16 problem are never used: made for one row and one feature.)
+  ComputeTileProducts(const TileShape& shape, Isa isa, Compute compute, Bf16Path path, bool packed = true)
+      : float_(compute == Compute::kBf16 ? TileShape{shape.block_q, shape.block_k, 1, 1, 1} : shape, isa, packed) {
     if constexpr (std::is_same<Scalar, float>::value) {
-      if (compute == Compute::kBf16) bf16_ = std::make_unique<Bf16TileProducts>(block_q, block_k, group, d_k, d_v, isa, path);
+      if (compute == Compute::kBf16) bf16_ = std::make_unique<Bf16TileProducts>(shape, isa, path);
     } else {
       (void)path;
     }
@@ -386,16 +407,15 @@ class ComputeTileProducts {
       if (bf16_) return bf16_->set_keys(k, ldk, v, ldv, cols);
     float_.set_keys(k, ldk, v, ldv, cols);
   }
-  void scores(Index slot, const Scalar* q, Index ldq, Index rows, Index i0, Index ni, Index j0, Index nj, Scalar alpha,
-              Scalar* s, Index lds) {
+  void scores(Index slot, gemm::Matrix<const Scalar> q, const TileRect& t, Scalar alpha, gemm::Matrix<Scalar> s) {
     if constexpr (std::is_same<Scalar, float>::value)
-      if (bf16_) return bf16_->scores(slot, q, ldq, rows, i0, ni, j0, nj, alpha, s, lds);
-    float_.scores(slot, q, ldq, rows, i0, ni, j0, nj, alpha, s, lds);
+      if (bf16_) return bf16_->scores(slot, q, t, alpha, s);
+    float_.scores(slot, q, t, alpha, s);
   }
-  void accumulate(Index rows, Index i0, Index ni, Index j0, Index nj, const Scalar* p, Index ldp, Scalar* o, Index ldo) {
+  void accumulate(const TileRect& t, gemm::Matrix<const Scalar> p, gemm::Matrix<Scalar> o) {
     if constexpr (std::is_same<Scalar, float>::value)
-      if (bf16_) return bf16_->accumulate(rows, i0, ni, j0, nj, p, ldp, o, ldo);
-    float_.accumulate(rows, i0, ni, j0, nj, p, ldp, o, ldo);
+      if (bf16_) return bf16_->accumulate(t, p, o);
+    float_.accumulate(t, p, o);
   }
 
  private:

@@ -42,32 +42,30 @@ gemm::Workspace<Scalar>& thread_workspace() {
   return workspace;
 }
 
-// Two tile-sized products on row-major memory with leading dimensions, on the calling thread:
-//   gemm_nt: c[m, n] (ldc) = alpha * a[m, k] (lda) * b[n, k]^T (ldb)
-//   gemm_nn_add: c[m, n] (ldc) += a[m, k] (lda) * b[k, n] (ldb)
+// Two tile-sized products on row-major memory, on the calling thread (s = {m, n, k}):
+//   gemm_nt: c[m, n] = alpha * a[m, k] * b[n, k]^T
+//   gemm_nn_add: c[m, n] += a[m, k] * b[k, n]
 template <typename Scalar>
-void gemm_nt(Isa isa, Eigen::Index m, Eigen::Index n, Eigen::Index k, Scalar alpha, const Scalar* a, Eigen::Index lda,
-             const Scalar* b, Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
-  gemm::gemm_nt<Scalar>(m, n, k, alpha, a, lda, b, ldb, Scalar(0), c, ldc, nullptr, &thread_workspace<Scalar>(), isa);
+void gemm_nt(Isa isa, gemm::Shape s, Scalar alpha, gemm::Matrix<const Scalar> a, gemm::Matrix<const Scalar> b,
+             gemm::Matrix<Scalar> c) {
+  gemm::gemm_nt<Scalar>(s, alpha, a, b, Scalar(0), c, {nullptr, &thread_workspace<Scalar>(), isa});
 }
 
 template <typename Scalar>
-void gemm_nn_add(Isa isa, Eigen::Index m, Eigen::Index n, Eigen::Index k, const Scalar* a, Eigen::Index lda,
-                 const Scalar* b, Eigen::Index ldb, Scalar* c, Eigen::Index ldc) {
-  gemm::gemm_nn<Scalar>(m, n, k, Scalar(1), a, lda, b, ldb, Scalar(1), c, ldc, nullptr, &thread_workspace<Scalar>(),
-                        isa);
+void gemm_nn_add(Isa isa, gemm::Shape s, gemm::Matrix<const Scalar> a, gemm::Matrix<const Scalar> b,
+                 gemm::Matrix<Scalar> c) {
+  gemm::gemm_nn<Scalar>(s, Scalar(1), a, b, Scalar(1), c, {nullptr, &thread_workspace<Scalar>(), isa});
 }
 
-// y[rows, out] (leading dimension ldy) = x[rows, in] (ldx) * w[out, in]^T + b[out]: sdpa::gemm's
+// y[rows, out] = x[rows, in] * w[out, in]^T + b[out], for s = {rows, out, in}: sdpa::gemm's
 // register-blocked kernels of the path `isa` (Eigen's products on the portable path), split over the
 // device's threads by blocks of y, never of the sum, so any number of threads gives the same bits. The
 // packed blocks live in the calling thread's workspace (5 MB for the demo's shapes, kept between calls:
 // fresh ones cost their page faults on every call).
 template <typename Scalar>
-void gemm_bias_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const Scalar* w,
-                    Eigen::Index out, const Scalar* b, Scalar* y, Eigen::Index ldy,
-                    const Eigen::ThreadPoolDevice* device = nullptr, Isa isa = active_isa()) {
-  gemm::gemm_nt_bias<Scalar>(rows, out, in, x, ldx, w, in, b, y, ldy, device, &thread_workspace<Scalar>(), isa);
+void gemm_bias_rows(gemm::Shape s, gemm::Matrix<const Scalar> x, const Scalar* w, const Scalar* b,
+                    gemm::Matrix<Scalar> y, const Eigen::ThreadPoolDevice* device = nullptr, Isa isa = active_isa()) {
+  gemm::gemm_nt_bias<Scalar>(s, x, {w, s.k}, b, y, {device, &thread_workspace<Scalar>(), isa});
 }
 
 #ifdef SDPA_USE_ONEDNN
@@ -89,27 +87,28 @@ inline void set_onednn_projections(bool on) noexcept { onednn_projections_flag()
 namespace kernels {
 
 // oneDNN's sgemm on row blocks of at least 64 rows, one block per worker (the opt-in sdpa::onednn backend).
-inline void dnnl_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const float* w,
-                           Eigen::Index out, const float* b, float* y, Eigen::Index ldy) {
+inline void dnnl_bias_rows(gemm::Shape s, gemm::Matrix<const float> x, const float* w, const float* b,
+                           gemm::Matrix<float> y) {
+  const Eigen::Index rows = s.m, out = s.n, in = s.k, ldy = y.ld;
   if (rows == 0) return;
-  for (Eigen::Index r = 0; r < rows; ++r) std::copy(b, b + out, y + r * ldy);
+  for (Eigen::Index r = 0; r < rows; ++r) std::copy(b, b + out, y.data + r * ldy);
   // dnnl_sgemm would open an OpenMP team of all cores; one thread here keeps sdpa's split in charge.
   const int threads = omp_get_max_threads();
   omp_set_num_threads(1);
-  dnnl_sgemm('N', 'T', rows, out, in, 1.0f, x, ldx, w, in, 1.0f, y, ldy);
+  dnnl_sgemm('N', 'T', rows, out, in, 1.0f, x.data, x.ld, w, in, 1.0f, y.data, ldy);
   omp_set_num_threads(threads);
 }
 
-inline void gemm_bias_rows(const float* x, Eigen::Index rows, Eigen::Index in, Eigen::Index ldx, const float* w,
-                           Eigen::Index out, const float* b, float* y, Eigen::Index ldy,
-                           const Eigen::ThreadPoolDevice* device = nullptr, Isa isa = active_isa()) {
+inline void gemm_bias_rows(gemm::Shape s, gemm::Matrix<const float> x, const float* w, const float* b,
+                           gemm::Matrix<float> y, const Eigen::ThreadPoolDevice* device = nullptr,
+                           Isa isa = active_isa()) {
   if (!onednn_projections()) {
-    gemm::gemm_nt_bias<float>(rows, out, in, x, ldx, w, in, b, y, ldy, device, &thread_workspace<float>(), isa);
+    gemm::gemm_nt_bias<float>(s, x, {w, s.k}, b, y, {device, &thread_workspace<float>(), isa});
     return;
   }
-  const Eigen::Index grain = std::max<Eigen::Index>(64, balanced_grain(device, rows, 1));
-  parallel_for(device, rows, grain, [&](Eigen::Index r0, Eigen::Index r1) {
-    dnnl_bias_rows(x + r0 * ldx, r1 - r0, in, ldx, w, out, b, y + r0 * ldy, ldy);
+  const Eigen::Index grain = std::max<Eigen::Index>(64, balanced_grain(device, s.m, 1));
+  parallel_for(device, s.m, grain, [&](Eigen::Index r0, Eigen::Index r1) {
+    dnnl_bias_rows({r1 - r0, s.n, s.k}, {x.data + r0 * x.ld, x.ld}, w, b, {y.data + r0 * y.ld, y.ld});
   });
 }
 #endif
@@ -151,7 +150,7 @@ void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::In
     if (onednn_projections() && !narrow) {
       for (std::size_t i = 0; i < count; ++i) {
         const ProjectionTarget<Scalar>& t = targets[i];
-        gemm_bias_rows(x, rows, in, ldx, t.weight, t.out, t.bias, t.y, t.ldy, device, isa);
+        gemm_bias_rows({rows, t.out, in}, {x, ldx}, t.weight, t.bias, {t.y, t.ldy}, device, isa);
       }
       return;
     }
@@ -166,8 +165,8 @@ void project_rows(const Scalar* x, Eigen::Index rows, Eigen::Index in, Eigen::In
     p.w_stored = t.weight_stored;
     products.push_back(p);
   }
-  gemm::gemm_nt_bias_shared<Scalar>(rows, in, x, ldx, products.data(), products.size(), device, &thread_workspace<Scalar>(),
-                                    isa);
+  gemm::gemm_nt_bias_shared<Scalar>(rows, in, {x, ldx}, products.data(), products.size(),
+                                    {device, &thread_workspace<Scalar>(), isa});
 }
 
 template <typename Scalar>

@@ -23,17 +23,41 @@
 SDPA_NAMESPACE_BEGIN
 namespace kernels {
 
+// The sizes a worker's tile products are made for: query blocks of block_q rows, `group` of them sharing a
+// key block of block_k keys, head sizes d_k and d_v.
+struct TileShape {
+  Eigen::Index block_q = 0;
+  Eigen::Index block_k = 0;
+  Eigen::Index group = 1;
+  Eigen::Index d_k = 0;
+  Eigen::Index d_v = 0;
+};
+
+// The part of a tile one product covers: rows [i0, i0 + ni) of a query block of `rows` rows, against keys
+// [j0, j0 + nj) of the key block.
+struct TileRect {
+  Eigen::Index rows = 0;
+  Eigen::Index i0 = 0;
+  Eigen::Index ni = 0;
+  Eigen::Index j0 = 0;
+  Eigen::Index nj = 0;
+};
+
 template <typename Scalar>
 class TileProducts {
  public:
   using Index = Eigen::Index;
 
-  TileProducts(Index block_q, Index block_k, Index group, Index d_k, Index d_v, Isa isa, bool packed = true)
-      : d_k_(d_k), d_v_(d_v), isa_(isa), packed_(packed), q_(static_cast<std::size_t>(group)),
-        q_packed_(static_cast<std::size_t>(group)) {
-    for (auto& q : q_) q.reserve(block_q, d_k, isa);
-    k_packed_.reserve(d_k, block_k, isa);
-    v_packed_.reserve(block_k, d_v, isa);
+  TileProducts(const TileShape& shape, Isa isa, bool packed = true)
+      : d_k_(shape.d_k),
+        d_v_(shape.d_v),
+        isa_(isa),
+        packed_(packed),
+        q_(static_cast<std::size_t>(shape.group)),
+        q_packed_(static_cast<std::size_t>(shape.group)) {
+    for (auto& q : q_) q.reserve(shape.block_q, shape.d_k, isa);
+    k_packed_.reserve(shape.d_k, shape.block_k, isa);
+    v_packed_.reserve(shape.block_k, shape.d_v, isa);
   }
 
   // A new group of query blocks: every slot must be packed again. With `single_key_block` (the group sees
@@ -54,17 +78,19 @@ class TileProducts {
     k_ready_ = v_ready_ = false;
   }
 
-  // s(i, j) (row stride lds) = alpha * q_i . k_j for the tile rows [i0, i0 + ni) and keys [j0, j0 + nj) of
-  // query block `slot`, whose rows (rows of them, stride ldq) start at q. Other entries of s are left alone.
-  void scores(Index slot, const Scalar* q, Index ldq, Index rows, Index i0, Index ni, Index j0, Index nj, Scalar alpha,
-              Scalar* s, Index lds) {
+  // s(i, j) = alpha * q_i . k_j for the rectangle t of query block `slot`, whose t.rows rows start at q.
+  // Other entries of s are left alone.
+  void scores(Index slot, gemm::Matrix<const Scalar> qm, const TileRect& t, Scalar alpha, gemm::Matrix<Scalar> sm) {
+    const Index rows = t.rows, i0 = t.i0, ni = t.ni, j0 = t.j0, nj = t.nj, ldq = qm.ld, lds = sm.ld;
+    const Scalar* q = qm.data;
+    Scalar* s = sm.data;
     if (packed_ && ni == rows && nj == cols_) {
       if (!k_ready_) {
         k_packed_.pack_nt(cols_, d_k_, k_, ldk_, isa_);
         k_ready_ = true;
       }
       if (q_in_place_) {
-        gemm::multiply(rows, q, ldq, k_packed_, alpha, Scalar(0), s, lds);
+        gemm::multiply(rows, {q, ldq}, k_packed_, alpha, Scalar(0), {s, lds});
         return;
       }
       const std::size_t sl = static_cast<std::size_t>(slot);
@@ -75,22 +101,25 @@ class TileProducts {
       gemm::multiply(q_[sl], k_packed_, alpha, Scalar(0), s, lds);
       return;
     }
-    gemm::gemm_nt<Scalar>(ni, nj, d_k_, alpha, q + i0 * ldq, ldq, k_ + j0 * ldk_, ldk_, Scalar(0), s + i0 * lds + j0, lds,
-                          nullptr, &workspace_, isa_);
+    gemm::gemm_nt<Scalar>({ni, nj, d_k_}, alpha, {q + i0 * ldq, ldq}, {k_ + j0 * ldk_, ldk_}, Scalar(0),
+                          {s + i0 * lds + j0, lds}, {nullptr, &workspace_, isa_});
   }
 
-  // o(i, :) (row stride ldo) += sum over j of p(i, j) v_j for the same sub-rectangle of the tile.
-  void accumulate(Index rows, Index i0, Index ni, Index j0, Index nj, const Scalar* p, Index ldp, Scalar* o, Index ldo) {
+  // o(i, :) += sum over j of p(i, j) v_j for the rectangle t of the tile.
+  void accumulate(const TileRect& t, gemm::Matrix<const Scalar> pm, gemm::Matrix<Scalar> om) {
+    const Index rows = t.rows, i0 = t.i0, ni = t.ni, j0 = t.j0, nj = t.nj, ldp = pm.ld, ldo = om.ld;
+    const Scalar* p = pm.data;
+    Scalar* o = om.data;
     if (packed_ && ni == rows && nj == cols_) {
       if (!v_ready_) {
         v_packed_.pack_nn(cols_, d_v_, v_, ldv_, isa_);
         v_ready_ = true;
       }
-      gemm::multiply(rows, p, ldp, v_packed_, Scalar(1), Scalar(1), o, ldo);
+      gemm::multiply(rows, {p, ldp}, v_packed_, Scalar(1), Scalar(1), {o, ldo});
       return;
     }
-    gemm::gemm_nn<Scalar>(ni, d_v_, nj, Scalar(1), p + i0 * ldp + j0, ldp, v_ + j0 * ldv_, ldv_, Scalar(1), o + i0 * ldo,
-                          ldo, nullptr, &workspace_, isa_);
+    gemm::gemm_nn<Scalar>({ni, d_v_, nj}, Scalar(1), {p + i0 * ldp + j0, ldp}, {v_ + j0 * ldv_, ldv_}, Scalar(1),
+                          {o + i0 * ldo, ldo}, {nullptr, &workspace_, isa_});
   }
 
   const Scalar* v() const noexcept { return v_; }

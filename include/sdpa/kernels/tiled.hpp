@@ -93,7 +93,8 @@ class TileScorer {
         ranges_(static_cast<std::size_t>(c.group * c.block_q)),
         exact_(Program::kMask ? static_cast<std::size_t>(c.group * c.block_q) : 0),
         segments_(static_cast<std::size_t>(c.block_q)),
-        products_(c.block_q, c.block_k, c.group, p_.d_k, p_.d_v, p_.isa, p_.compute, p_.bf16_path, c.pack_operands),
+        products_(TileShape{c.block_q, c.block_k, c.group, p_.d_k, p_.d_v}, p_.isa, p_.compute, p_.bf16_path,
+                  c.pack_operands),
         k_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_k) : 0),
         v_wide_(p_.stored() || p_.paged() ? static_cast<std::size_t>(c.block_k * p_.d_v) : 0),
         holes_(Program::kMask ? new bool[static_cast<std::size_t>(c.block_q * c.block_k)] : nullptr),
@@ -165,7 +166,8 @@ class TileScorer {
         if (!classify(t, count)) continue;
         const Index ni = t.i1 - t.i0, nj = t.j1 - t.j0;
         // The scale rides on the product as its alpha: dot * scale, as the reference rounds it.
-        products_.scores(t.slot, p_.q.row(b, h, q0 + r0), p_.q.row_stride, n, t.i0, ni, t.j0, nj, p_.scale, t.s, lds_);
+        products_.scores(t.slot, {p_.q.row(b, h, q0 + r0), p_.q.row_stride}, TileRect{n, t.i0, ni, t.j0, nj}, p_.scale,
+                         {t.s, lds_});
         for (Index i = t.i0; i < t.i1; ++i) {
           Segment seg = segments_[static_cast<std::size_t>(i)];
           seg.lo -= t.j0;
@@ -319,7 +321,7 @@ class TiledForward {
         }
         return;
       }
-      scorer_.products().accumulate(t.rows, t.i0, t.i1 - t.i0, t.j0, nj, t.s, t.lds, ot, p.d_v);
+      scorer_.products().accumulate(TileRect{t.rows, t.i0, t.i1 - t.i0, t.j0, nj}, {t.s, t.lds}, {ot, p.d_v});
     });
 
     for (Index i = 0; i < rows; ++i) {

@@ -27,6 +27,7 @@
 
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/gemm/operands.hpp"
 #include "sdpa/simd/rows.hpp"
 #include "sdpa/storage.hpp"
 

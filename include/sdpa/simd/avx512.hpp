@@ -35,6 +35,7 @@
 
 #include "sdpa/gemm/blocking.hpp"
 #include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/gemm/operands.hpp"
 #include "sdpa/simd/rows.hpp"
 #include "sdpa/simd/avx2.hpp"
 #include "sdpa/storage.hpp"

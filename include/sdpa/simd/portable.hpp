@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "sdpa/gemm/epilogue.hpp"
+#include "sdpa/gemm/operands.hpp"
 #include "sdpa/gemm/pack.hpp"
 #include "sdpa/simd/rows.hpp"
 #include "sdpa/storage.hpp"
@@ -46,18 +47,21 @@ struct GemmKernel {
     gemm::detail::pack_cols<nr>(cols, kc, b, ldb, dst);
   }
 
-  static void block(Index kc, Index rows, Index cols, const Scalar* pa, const Scalar* pb, Scalar* c, Index ldc,
+  static void block(gemm::Shape s, const Scalar* pa, const Scalar* pb, gemm::Matrix<Scalar> c,
                     const Epilogue& ep) noexcept {
-    block_in_place(kc, rows, cols, pa, kc, pb, c, ldc, ep);
+    block_in_place(s, {pa, s.k}, pb, c, ep);
   }
 
-  static void block_rows(Index kc, Index rows, Index cols, const Scalar* a, Index lda, const Scalar* pb, Scalar* c,
-                         Index ldc, const Epilogue& ep) noexcept {
-    block_in_place(kc, rows, cols, a, lda, pb, c, ldc, ep);
+  static void block_rows(gemm::Shape s, gemm::Matrix<const Scalar> a, const Scalar* pb, gemm::Matrix<Scalar> c,
+                         const Epilogue& ep) noexcept {
+    block_in_place(s, a, pb, c, ep);
   }
 
-  static void block_in_place(Index kc, Index rows, Index cols, const Scalar* pa, Index lda, const Scalar* pb, Scalar* c,
-                             Index ldc, const Epilogue& ep) noexcept {
+  static void block_in_place(gemm::Shape s, gemm::Matrix<const Scalar> am, const Scalar* pb, gemm::Matrix<Scalar> cmat,
+                             const Epilogue& ep) noexcept {
+    const Index kc = s.k, rows = s.m, cols = s.n, lda = am.ld, ldc = cmat.ld;
+    const Scalar* pa = am.data;
+    Scalar* c = cmat.data;
     using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     using Stride = Eigen::OuterStride<>;
     const Eigen::Map<const RowMatrix, Eigen::Unaligned, Stride> a(pa, rows, kc, Stride(lda));
