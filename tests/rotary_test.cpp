@@ -1,7 +1,7 @@
 // Tests of sdpa/rotary.hpp: apply_rotary against a plain double rotation (half-split and interleaved
 // pairs, partial rotary, an attention factor, strided rows and heads), its inverse undoing it, and the
 // scalings: rope_linear, rope_llama3 and rope_yarn against Hugging Face's rope functions
-// (tests/fixtures/rope/, written by scripts/make_rope_fixtures.py with transformers; skipped without
+// (tests/fixtures/rope/, written by scripts/fixtures/make_rope_fixtures.py with transformers; skipped without
 // them) and against the rules they follow (what stays, what is divided, the YaRN attention factor).
 #include "sdpa/rotary.hpp"
 
@@ -55,7 +55,7 @@ TYPED_TEST(RotaryTest, RotatesPairsAsDefinedAndTheInverseUndoesIt) {
         std::vector<T> x(static_cast<std::size_t>(rows * row_stride));
         for (T& v : x) v = T(u(gen));
         const std::vector<T> original = x;
-        sdpa::apply_rotary(r, x.data(), rows, row_stride, heads, head_stride, d, first);
+        sdpa::apply_rotary(r, sdpa::RotaryRows(x.data(), rows, row_stride, heads, head_stride, d), first);
         const double tol = std::is_same<T, float>::value ? 2e-5 : 1e-13;
         for (Index i = 0; i < rows; ++i)
           for (Index h = 0; h < heads; ++h) {
@@ -70,7 +70,8 @@ TYPED_TEST(RotaryTest, RotatesPairsAsDefinedAndTheInverseUndoesIt) {
               ASSERT_EQ(x[std::size_t(i * row_stride + h * head_stride + c)], original[std::size_t(i * row_stride + h * head_stride + c)]);
           }
         // The inverse rotation with factor f undoes the rotation up to f^2 per pair.
-        sdpa::apply_rotary(r, x.data(), rows, row_stride, heads, head_stride, d, first, /*inverse=*/true);
+        sdpa::apply_rotary(r, sdpa::RotaryRows(x.data(), rows, row_stride, heads, head_stride, d), first,
+                           /*inverse=*/true);
         const Index n = dim == 0 ? d : dim;
         for (Index i = 0; i < rows; ++i)
           for (Index h = 0; h < heads; ++h)
@@ -128,7 +129,8 @@ TEST(RotaryScalings, FollowTheirRules) {
 // Against transformers' _compute_*_parameters (inv_freq and attention factor), when its fixtures exist.
 TEST(RotaryScalings, MatchHuggingFaceRopeFunctions) {
   const std::filesystem::path dir = std::filesystem::path(SDPA_FIXTURE_DIR) / "rope";
-  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no fixtures in " << dir << " (scripts/make_rope_fixtures.py)";
+  if (!std::filesystem::exists(dir))
+    GTEST_SKIP() << "no fixtures in " << dir << " (scripts/fixtures/make_rope_fixtures.py)";
   int checked = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     if (e.path().extension() != ".sdpafix") continue;

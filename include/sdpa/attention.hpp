@@ -212,11 +212,12 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
     if (k_rot.size() > 0) std::copy_n(kp, k_rot.size(), k_rot.data());
     const bool packed = options.packed();
     if (q_rot.size() > 0)
-      rotate_rows(*options.rotary, heads_of(q_rot.data(), q_rot.dimensions(), layout), c.batch, c.nq, c.heads, c.d_k,
+      rotate_rows(*options.rotary, heads_of(q_rot.data(), q_rot.dimensions(), layout), {c.batch, c.nq, c.heads, c.d_k},
                   c.nk - c.nq, packed ? &options.cu_seqlens_q : nullptr, packed ? &options.cu_seqlens_k : nullptr);
     if (k_rot.size() > 0)
-      rotate_rows(*options.rotary, heads_of(k_rot.data(), k_rot.dimensions(), layout), c.batch, c.nk, c.kv_heads, c.d_k,
-                  Index{0}, packed ? &options.cu_seqlens_k : nullptr, static_cast<const std::vector<Index>*>(nullptr));
+      rotate_rows(*options.rotary, heads_of(k_rot.data(), k_rot.dimensions(), layout),
+                  {c.batch, c.nk, c.kv_heads, c.d_k}, Index{0}, packed ? &options.cu_seqlens_k : nullptr,
+                  static_cast<const std::vector<Index>*>(nullptr));
     qp = q_rot.data();
     kp = k_rot.data();
   }
@@ -373,13 +374,13 @@ AttentionGradients<Scalar> attention_backward_impl(const Scalar* grad_data, cons
   if (s.saved_.has_rotary) {
     const bool packed = o.packed();
     if (g.q.size() > 0)
-      detail::rotate_rows(s.saved_.rotary, detail::heads_of(g.q.data(), g.q.dimensions(), layout), c.batch, c.nq, c.heads, c.d_k,
-                          c.nk - c.nq, packed ? &o.cu_seqlens_q : nullptr, packed ? &o.cu_seqlens_k : nullptr,
-                          /*inverse=*/true);
+      detail::rotate_rows(s.saved_.rotary, detail::heads_of(g.q.data(), g.q.dimensions(), layout),
+                          {c.batch, c.nq, c.heads, c.d_k}, c.nk - c.nq, packed ? &o.cu_seqlens_q : nullptr,
+                          packed ? &o.cu_seqlens_k : nullptr, /*inverse=*/true);
     if (g.k.size() > 0)
-      detail::rotate_rows(s.saved_.rotary, detail::heads_of(g.k.data(), g.k.dimensions(), layout), c.batch, c.nk, c.kv_heads, c.d_k,
-                          Index{0}, packed ? &o.cu_seqlens_k : nullptr, static_cast<const std::vector<Index>*>(nullptr),
-                          /*inverse=*/true);
+      detail::rotate_rows(s.saved_.rotary, detail::heads_of(g.k.data(), g.k.dimensions(), layout),
+                          {c.batch, c.nk, c.kv_heads, c.d_k}, Index{0}, packed ? &o.cu_seqlens_k : nullptr,
+                          static_cast<const std::vector<Index>*>(nullptr), /*inverse=*/true);
   }
   return g;
 }

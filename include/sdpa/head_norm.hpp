@@ -92,9 +92,19 @@ void rms_norm_rows(Scalar* x, Eigen::Index rows, Eigen::Index ld, Eigen::Index g
 // The gradient through rms_norm_rows: d (the output's gradient, same layout) becomes the input's; x is the
 // input; dw (width values, or nullptr) accumulates the weight's gradient. With r = 1 / sqrt(mean(x^2) + eps)
 // and u = w * dy: dx = r u - x r^3 (x . u) / width; dw += dy x r.
+//
+// The layout of rms_norm_backward_rows' x and d: `rows` rows (stride ld) of `groups` groups of `width` values.
+struct NormRows {
+  Eigen::Index rows = 0;
+  Eigen::Index ld = 0;
+  Eigen::Index groups = 1;
+  Eigen::Index width = 0;
+};
+
 template <typename Scalar>
-void rms_norm_backward_rows(const Scalar* x, Scalar* d, Eigen::Index rows, Eigen::Index ldx, Eigen::Index ldd,
-                            Eigen::Index groups, Eigen::Index width, const Scalar* w, double eps, double* dw) {
+void rms_norm_backward_rows(const Scalar* x, Scalar* d, const NormRows& layout, const Scalar* w, double eps,
+                            double* dw) {
+  const Eigen::Index rows = layout.rows, ldx = layout.ld, ldd = layout.ld, groups = layout.groups, width = layout.width;
   for (Eigen::Index r = 0; r < rows; ++r)
     for (Eigen::Index g = 0; g < groups; ++g) {
       const Scalar* v = x + r * ldx + g * width;

@@ -363,7 +363,8 @@ class LatentAttention {
       q_b_proj_.forward_rows(a.data(), rows, c_.q_lora_rank, q, hq, device);
     }
     for (Index b = 0; b < batch; ++b)
-      apply_rotary(rotary_, q + b * n * hq + c_.qk_nope_head_dim, n, hq, c_.heads, qk(), c_.qk_rope_head_dim, first);
+      apply_rotary(rotary_,
+                   RotaryRows(q + b * n * hq + c_.qk_nope_head_dim, n, hq, c_.heads, qk(), c_.qk_rope_head_dim), first);
   }
 
   // The latents [c | k_rope] of `rows` tokens into lat (row stride latent_width()), c normalised, k_rope
@@ -374,7 +375,8 @@ class LatentAttention {
     kv_a_proj_.forward_rows(x, rows, c_.d_model, lat, w, device);
     if (ckv != nullptr) ckv->assign(lat, lat + rows * w);
     detail::rms_norm_rows(lat, rows, w, 1, c_.kv_lora_rank, kv_a_norm_.data(), c_.norm_eps);
-    for (Index b = 0; b < batch; ++b) apply_rotary(rotary_, lat + b * n * w + c_.kv_lora_rank, n, w, 1, w, c_.qk_rope_head_dim, first);
+    for (Index b = 0; b < batch; ++b)
+      apply_rotary(rotary_, RotaryRows(lat + b * n * w + c_.kv_lora_rank, n, w, 1, w, c_.qk_rope_head_dim), first);
   }
 
   // Every head's keys (rows, heads, qk) and values (rows, heads, v) from latents (row stride ld).
@@ -600,7 +602,8 @@ LatentGradients<Scalar> LatentAttention<Scalar>::backward(const Tensor3& grad_ou
   // Queries: rope parts rotated back, then the query path.
   std::vector<Scalar> dq(cg.q.data(), cg.q.data() + cg.q.size());
   for (Index b = 0; b < batch; ++b)
-    apply_rotary(rotary_, dq.data() + b * n * h * qk() + nope, n, h * qk(), h, qk(), rope, 0, /*inverse=*/true);
+    apply_rotary(rotary_, RotaryRows(dq.data() + b * n * h * qk() + nope, n, h * qk(), h, qk(), rope), 0,
+                 /*inverse=*/true);
   if (c_.q_lora_rank == 0) {
     linear_backward(q_proj_, dq.data(), s.x_.data(), d, g.q_proj, g.input.data(), d, false);
   } else {
@@ -610,7 +613,7 @@ LatentGradients<Scalar> LatentAttention<Scalar>::backward(const Tensor3& grad_ou
     std::vector<Scalar> dqn(static_cast<std::size_t>(rows * R), Scalar(0));
     linear_backward(q_b_proj_, dq.data(), qn.data(), R, g.q_b_proj, dqn.data(), R, false);
     std::vector<double> dw(static_cast<std::size_t>(R), 0.0);
-    detail::rms_norm_backward_rows(s.qa_.data(), dqn.data(), rows, R, R, 1, R, q_a_norm_.data(), c_.norm_eps, dw.data());
+    detail::rms_norm_backward_rows(s.qa_.data(), dqn.data(), {rows, R, 1, R}, q_a_norm_.data(), c_.norm_eps, dw.data());
     g.q_a_norm.assign(dw.begin(), dw.end());
     linear_backward(q_a_proj_, dqn.data(), s.x_.data(), d, g.q_a_proj, g.input.data(), d, c_.bias);
   }
@@ -624,10 +627,12 @@ LatentGradients<Scalar> LatentAttention<Scalar>::backward(const Tensor3& grad_ou
       std::copy_n(cg.v.data() + (r * h + j) * dv, dv, dkvb.data() + r * wb + j * (nope + dv) + nope);
       for (Index i = 0; i < rope; ++i) dckv[static_cast<std::size_t>(r * w + L + i)] += dk[nope + i];
     }
-  for (Index b = 0; b < batch; ++b) apply_rotary(rotary_, dckv.data() + b * n * w + L, n, w, 1, w, rope, 0, /*inverse=*/true);
+  for (Index b = 0; b < batch; ++b)
+    apply_rotary(rotary_, RotaryRows(dckv.data() + b * n * w + L, n, w, 1, w, rope), 0, /*inverse=*/true);
   linear_backward(kv_b_proj_, dkvb.data(), s.c_.data(), L, g.kv_b_proj, dckv.data(), w, false);
   std::vector<double> dw(static_cast<std::size_t>(L), 0.0);
-  detail::rms_norm_backward_rows(s.ckv_.data(), dckv.data(), rows, w, w, 1, L, kv_a_norm_.data(), c_.norm_eps, dw.data());
+  detail::rms_norm_backward_rows(s.ckv_.data(), dckv.data(), {rows, w, 1, L}, kv_a_norm_.data(), c_.norm_eps,
+                                 dw.data());
   g.kv_a_norm.assign(dw.begin(), dw.end());
   linear_backward(kv_a_proj_, dckv.data(), s.x_.data(), d, g.kv_a_proj, g.input.data(), d, c_.bias);
   return g;

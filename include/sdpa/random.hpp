@@ -180,7 +180,7 @@ class DropoutSampler {
   // every path.
   void fill_bits(Isa isa, std::int64_t bh, std::int64_t q, std::int64_t k4_begin, std::int64_t blocks,
                  std::uint32_t* out) const noexcept {
-    std::int64_t i = simd::philox_fill(isa, key_[0], key_[1], call_, bh + bh_offset_, q, k4_begin, blocks, out);
+    std::int64_t i = simd::philox_fill(isa, {key_[0], key_[1], call_}, bh + bh_offset_, q, k4_begin, blocks, out);
     for (; i < blocks; ++i) {
       const PhiloxCounter words = block(bh, q, k4_begin + i);
       for (int j = 0; j < 4; ++j) out[4 * i + j] = words[static_cast<std::size_t>(j)];

@@ -114,13 +114,29 @@ void rotary_angles(const std::vector<Scalar>& inv_freq, double factor, Eigen::In
 
 }  // namespace detail
 
-// Rotates rows in place: row i (i < rows) of `x` holds `heads` heads of d_k features, head h of row i at
-// x + i * row_stride + h * head_stride, at position first_position + i. inverse: rotate by -angle (the
+// Rows to rotate in place: row i (i < rows) holds `heads` heads of d_k features, head h of row i at
+// data + i * row_stride + h * head_stride.
+template <typename Scalar>
+struct RotaryRows {
+  Scalar* data;
+  Eigen::Index rows;
+  Eigen::Index row_stride;
+  Eigen::Index heads;
+  Eigen::Index head_stride;
+  Eigen::Index d_k;
+  RotaryRows(Scalar* data_, Eigen::Index rows_, Eigen::Index row_stride_, Eigen::Index heads_,
+             Eigen::Index head_stride_, Eigen::Index d_k_) noexcept
+      : data(data_), rows(rows_), row_stride(row_stride_), heads(heads_), head_stride(head_stride_), d_k(d_k_) {}
+};
+
+// Rotates the rows xs in place, row i at position first_position + i. inverse: rotate by -angle (the
 // transpose, for gradients), with the same factor. The rows are one call for LongRoPE's choice of
 // frequencies (long past long_after).
 template <typename Scalar>
-void apply_rotary(const Rotary& r, Scalar* x, Eigen::Index rows, Eigen::Index row_stride, Eigen::Index heads,
-                  Eigen::Index head_stride, Eigen::Index d_k, Eigen::Index first_position, bool inverse = false) {
+void apply_rotary(const Rotary& r, const RotaryRows<Scalar>& xs, Eigen::Index first_position, bool inverse = false) {
+  Scalar* x = xs.data;
+  const Eigen::Index rows = xs.rows, row_stride = xs.row_stride, heads = xs.heads, head_stride = xs.head_stride,
+                     d_k = xs.d_k;
   const Eigen::Index n = r.rotated(d_k), half = n / 2;
   if (rows <= 0 || heads <= 0 || half == 0) return;
   const bool long_call = !r.long_inv_freq.empty() && first_position + rows > r.long_after;
@@ -144,13 +160,15 @@ void apply_rotary(const Rotary& r, Scalar* x, Eigen::Index rows, Eigen::Index ro
   }
 }
 
-// apply_rotary with positions given per row: row i of `x` turns frequency m at position
+// apply_rotary with positions given per row: row i of xs turns frequency m at position
 // pos[stream(m) * stream_stride + i], stream(m) the position stream of m's MRoPE section (0 without one).
 // One call for LongRoPE (long when a position reaches past long_after).
 template <typename Scalar>
-void apply_rotary_at(const Rotary& r, Scalar* x, Eigen::Index rows, Eigen::Index row_stride, Eigen::Index heads,
-                     Eigen::Index head_stride, Eigen::Index d_k, const Eigen::Index* pos, Eigen::Index stream_stride,
+void apply_rotary_at(const Rotary& r, const RotaryRows<Scalar>& xs, const Eigen::Index* pos, Eigen::Index stream_stride,
                      bool inverse = false) {
+  Scalar* x = xs.data;
+  const Eigen::Index rows = xs.rows, row_stride = xs.row_stride, heads = xs.heads, head_stride = xs.head_stride,
+                     d_k = xs.d_k;
   const Eigen::Index n = r.rotated(d_k), half = n / 2;
   if (rows <= 0 || heads <= 0 || half == 0) return;
   std::vector<Eigen::Index> stream(static_cast<std::size_t>(half), 0);

@@ -350,7 +350,7 @@ class ScaledDotProductAttention {
 
   // Rotates projected queries (row stride ldq, at q' = q + nk - nq) and keys (ldk, at k) of batch entries of
   // nq and nk rows, or of the options' packed sequences each from its own positions.
-  void rotate_projected(Scalar* q, Index ldq, Scalar* k, Index ldk, Index batch, Index nq, Index nk,
+  void rotate_projected(gemm::Matrix<Scalar> q, gemm::Matrix<Scalar> k, Index batch, Index nq, Index nk,
                         const AttentionOptions<Scalar>& options, bool inverse = false) const;
 
   // The caller's rotary positions (options.rotary_positions) for `rows` key rows of `batch` entries: their
@@ -366,10 +366,14 @@ class ScaledDotProductAttention {
 
   // Everything between the projection and the scores for query (or key) rows laid out as rotate's, the
   // first at position `first`: norm, rotary, norm after it, temperature (head_norm.hpp's order).
-  // pos: the caller's positions of these rows (batch entry b's at pos + b * n, streams pos_stride apart), or
-  // nullptr for first + i.
+  // positions: the caller's positions of these rows (batch entry b's at pos + b * n, streams `stride`
+  // apart), or none (pos null) for first + i.
+  struct Positions {
+    const Index* pos = nullptr;
+    Index stride = 0;
+  };
   void transform(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, bool query, Index first,
-                 const Index* pos = nullptr, Index pos_stride = 0) const;
+                 Positions positions = {}) const;
 
   // The temperature of a forward's queries (row stride ldq), at q' = q + nk - nq of each batch entry or
   // packed sequence.
@@ -436,11 +440,20 @@ class ScaledDotProductAttention {
   void project_into_narrow_cache(const View& kv, const View& vv, bool kv_same, KVCache<Scalar>& cache,
                                  const Eigen::ThreadPoolDevice* device, Scalar* q_out, const Index* pos = nullptr) const;
 
-  // The attention of projected (and rotated) queries q (batch, nq, h * d_k) to the cache's entries, then
-  // fc_o into out.
-  void attend_projected(const Scalar* q, Index nq, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options,
-                        bool causal, Scalar* att, kernels::DecodeWorkspace<Scalar>& workspace, Scalar* out,
-                        const char* where, const Scalar* x) const;
+  // A decoding step between the projections: projected (and rotated) queries q (batch, nq, h * d_k), the
+  // module's input x (the output gate's), the attention's rows att (batch, nq, h * d_v; scratch) and fc_o's
+  // output out.
+  struct ProjectedStep {
+    const Scalar* q = nullptr;
+    Index nq = 0;
+    const Scalar* x = nullptr;
+    Scalar* att = nullptr;
+    Scalar* out = nullptr;
+  };
+  // The attention of the step's queries to the cache's entries, then fc_o into its out.
+  void attend_projected(const ProjectedStep& step, const KVCache<Scalar>& cache,
+                        const AttentionOptions<Scalar>& options, bool causal,
+                        kernels::DecodeWorkspace<Scalar>& workspace, const char* where) const;
 
   // Everything a call with nq queries against the nk entries of positions first .. position - 1 checks:
   // options, tensors' shapes, dropped entries.

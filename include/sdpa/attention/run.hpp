@@ -232,23 +232,33 @@ class ProgramTables {
   Index size_ = 0;
 };
 
-// Rotates rows [0, n) of heads `heads` (row i at position first + i): once per batch entry, or for packed
-// sequences (cu given) each sequence's rows from its own positions (queries first = nk_s - nq_s: pass the
-// other list as `other`, keys first = 0).
+// The rows rotate_rows turns: batch entries of n rows of `heads` heads of d features.
+struct RotatedBlock {
+  Eigen::Index batch = 0;
+  Eigen::Index n = 0;
+  Eigen::Index heads = 0;
+  Eigen::Index d = 0;
+};
+
+// Rotates rows [0, n) of the block's heads (row i at position first + i): once per batch entry, or for
+// packed sequences (cu given) each sequence's rows from its own positions (queries first = nk_s - nq_s: pass
+// the other list as `other`, keys first = 0).
 template <typename Scalar>
-void rotate_rows(const Rotary& rotary, const kernels::Heads<Scalar>& t, Eigen::Index batch, Eigen::Index n,
-                 Eigen::Index heads, Eigen::Index d, Eigen::Index first, const std::vector<Eigen::Index>* cu,
-                 const std::vector<Eigen::Index>* other, bool inverse = false) {
+void rotate_rows(const Rotary& rotary, const kernels::Heads<Scalar>& t, const RotatedBlock& block, Eigen::Index first,
+                 const std::vector<Eigen::Index>* cu, const std::vector<Eigen::Index>* other, bool inverse = false) {
+  const Eigen::Index batch = block.batch, n = block.n, heads = block.heads, d = block.d;
   if (t.data == nullptr) return;
   if (cu == nullptr) {
     for (Eigen::Index b = 0; b < batch; ++b)
-      apply_rotary(rotary, t.row(b, 0, 0), n, t.row_stride, heads, t.head_stride, d, first, inverse);
+      apply_rotary(rotary, RotaryRows(t.row(b, 0, 0), n, t.row_stride, heads, t.head_stride, d), first, inverse);
     return;
   }
   for (std::size_t s = 0; s + 1 < cu->size(); ++s) {
     const Eigen::Index rows = (*cu)[s + 1] - (*cu)[s];
     const Eigen::Index start = other != nullptr ? ((*other)[s + 1] - (*other)[s]) - rows : 0;
-    if (rows > 0) apply_rotary(rotary, t.row(0, 0, (*cu)[s]), rows, t.row_stride, heads, t.head_stride, d, start, inverse);
+    if (rows > 0)
+      apply_rotary(rotary, RotaryRows(t.row(0, 0, (*cu)[s]), rows, t.row_stride, heads, t.head_stride, d), start,
+                   inverse);
   }
 }
 

@@ -162,7 +162,8 @@ Tensor4<Scalar> ring_impl(const ::sdpa::detail::Input4<Scalar>& qi, const ::sdpa
     const kernels::Heads<Scalar> rq = heads_of(q_rot.data(), q_rot.dimensions(), layout);
     for (const auto& qb : call.plan.queries)
       for (Index b = 0; b < c.batch; ++b)
-        apply_rotary(*options.rotary, rq.row(b, 0, qb.local0), qb.rows, rq.row_stride, c.heads, rq.head_stride, c.d_k,
+        apply_rotary(*options.rotary,
+                     RotaryRows(rq.row(b, 0, qb.local0), qb.rows, rq.row_stride, c.heads, rq.head_stride, c.d_k),
                      call.plan.global(cs.rank, qb.local0));
     qp = q_rot.data();
   }
@@ -258,19 +259,27 @@ AttentionGradients<Scalar> ring_attention_backward(const Tensor4<Scalar>& grad_o
   std::vector<Scalar> sinks(o.sinks.size());
   ::sdpa::detail::ProgramTables<Scalar> tables(o.program.get());
   kernels::BackwardStatus status;
+  distributed::detail::RingGradients<Scalar> grads;
+  grads.q = heads_of(g.q.data(), g.q.dimensions(), layout);
+  grads.k = heads_of(g.k.data(), g.k.dimensions(), layout);
+  grads.v = heads_of(g.v.data(), g.v.dimensions(), layout);
+  grads.sinks = sinks.empty() ? nullptr : sinks.data();
+  grads.tables = &tables;
+  grads.status = &status;
   distributed::detail::ring_backward(call, heads_of(s.out_.data(), s.out_.dimensions(), layout), s.saved_.lse.data(),
-                                     heads_of(grad_output.data(), grad_output.dimensions(), layout),
-                                     heads_of(g.q.data(), g.q.dimensions(), layout), heads_of(g.k.data(), g.k.dimensions(), layout),
-                                     heads_of(g.v.data(), g.v.dimensions(), layout), sinks.empty() ? nullptr : sinks.data(), stats,
-                                     &tables, &status);
+                                     heads_of(grad_output.data(), grad_output.dimensions(), layout), grads, stats);
   // The rotated q's and k's gradients, rotated back at their global positions.
   if (call.rotary != nullptr) {
     const kernels::Heads<Scalar> dq = heads_of(g.q.data(), g.q.dimensions(), layout), dk = heads_of(g.k.data(), g.k.dimensions(), layout);
     for (const auto& qb : call.plan.queries)
       for (Index b = 0; b < c.batch; ++b) {
         const Index first = call.plan.global(cs.rank, qb.local0);
-        apply_rotary(*call.rotary, dq.row(b, 0, qb.local0), qb.rows, dq.row_stride, c.heads, dq.head_stride, c.d_k, first, true);
-        apply_rotary(*call.rotary, dk.row(b, 0, qb.local0), qb.rows, dk.row_stride, c.kv_heads, dk.head_stride, c.d_k, first, true);
+        apply_rotary(*call.rotary,
+                     RotaryRows(dq.row(b, 0, qb.local0), qb.rows, dq.row_stride, c.heads, dq.head_stride, c.d_k), first,
+                     true);
+        apply_rotary(*call.rotary,
+                     RotaryRows(dk.row(b, 0, qb.local0), qb.rows, dk.row_stride, c.kv_heads, dk.head_stride, c.d_k),
+                     first, true);
       }
   }
   // The sinks' gradient: every rank's share, summed in rank order (the same bits on every rank).

@@ -184,7 +184,8 @@ struct RingCall {
         }
     if (rotary != nullptr)
       for (Index b = 0; b < shape.batch; ++b)
-        apply_rotary(*rotary, km.row(b, 0, 0), rows.rows, km.row_stride, shape.kv_heads, km.head_stride, shape.d_k,
+        apply_rotary(*rotary,
+                     RotaryRows(km.row(b, 0, 0), rows.rows, km.row_stride, shape.kv_heads, km.head_stride, shape.d_k),
                      plan.global(plan.rank, rows.local0));
   }
 
@@ -318,10 +319,20 @@ void ring_forward(const RingCall<Scalar>& call, const kernels::Heads<Scalar>& ou
 // A score program's tables: this rank's share of their gradients added to d_tables (tables.size()
 // elements), and what its backward could not do in status.
 template <typename Scalar>
+struct RingGradients {
+  kernels::Heads<Scalar> q, k, v;
+  Scalar* sinks = nullptr;
+  ::sdpa::detail::ProgramTables<Scalar>* tables = nullptr;
+  kernels::BackwardStatus* status = nullptr;
+};
+
+template <typename Scalar>
 void ring_backward(const RingCall<Scalar>& call, const kernels::Heads<const Scalar>& out, const Scalar* lse,
-                   const kernels::Heads<const Scalar>& d_out, const kernels::Heads<Scalar>& d_q, const kernels::Heads<Scalar>& d_k,
-                   const kernels::Heads<Scalar>& d_v, Scalar* d_sinks, RingStats& stats,
-                   ::sdpa::detail::ProgramTables<Scalar>* tables = nullptr, kernels::BackwardStatus* status = nullptr) {
+                   const kernels::Heads<const Scalar>& d_out, const RingGradients<Scalar>& grads, RingStats& stats) {
+  const kernels::Heads<Scalar>&d_q = grads.q, &d_k = grads.k, &d_v = grads.v;
+  Scalar* d_sinks = grads.sinks;
+  ::sdpa::detail::ProgramTables<Scalar>* tables = grads.tables;
+  kernels::BackwardStatus* status = grads.status;
   const RingPlan& plan = call.plan;
   const ::sdpa::detail::CallShape& c = call.shape;
   const AttentionOptions<Scalar>& o = *call.options;

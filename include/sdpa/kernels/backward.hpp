@@ -182,22 +182,6 @@ void backward_nothing_flows(const BackwardProblem<Scalar>& bp) {
   if (bp.d_sinks != nullptr && p.sinks != nullptr) std::fill_n(bp.d_sinks, p.heads, Scalar(0));
 }
 
-// d L / d y for the softcapped scores of one row segment: dr[j] *= 1 - tanh(y_j / c)^2, where
-// y = u (times the weights) is the score the softcap took and u = scale * q . k; y is computed into yr
-// and capped there with the forward's own kernel, so the derivative is that of the value the forward used.
-template <typename Scalar>
-void softcap_gradient(const AttentionProblem<Scalar>& p, Eigen::Index b, Eigen::Index h, Eigen::Index q,
-                      Eigen::Index k0, const Scalar* ur, Scalar* yr, Scalar* dr, Eigen::Index n) {
-  std::copy_n(ur, n, yr);
-  if (p.weights) apply_broadcast_row(yr, n, p.weights, b, h, q, k0, /*multiply=*/true);
-  simd::softcap(p.isa, yr, n, p.softcap);
-  const Scalar inv = Scalar(1) / p.softcap;
-  for (Eigen::Index j = 0; j < n; ++j) {
-    const Scalar t = yr[j] * inv;
-    dr[j] *= Scalar(1) - t * t;
-  }
-}
-
 }  // namespace detail
 
 // The backward of one worker: every gradient of the (batch, head) pairs it is given, one pair at a time.
@@ -269,6 +253,23 @@ class TiledBackward {
   using ConstRow = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
 
   static Scalar* aligned(std::vector<Scalar>& buf) noexcept { return sdpa::detail::cache_line_start(buf); }
+
+  // d L / d y for the softcapped scores of row q of (b, h) over keys k0 .. k0 + n - 1: dr[j] *= 1 -
+  // tanh(y_j / c)^2, where y = u (times the weights) is the score the softcap took and u = scale * q . k
+  // (ur); y is computed into y_buf_ and capped there with the forward's own kernel, so the derivative is that
+  // of the value the forward used.
+  void softcap_gradient(Index b, Index h, Index q, Index k0, const Scalar* ur, Scalar* dr, Index n) {
+    const AttentionProblem<Scalar>& p = p_;
+    Scalar* yr = aligned(y_buf_);
+    std::copy_n(ur, n, yr);
+    if (p.weights) detail::apply_broadcast_row(yr, n, p.weights, b, h, q, k0, /*multiply=*/true);
+    simd::softcap(p.isa, yr, n, p.softcap);
+    const Scalar inv = Scalar(1) / p.softcap;
+    for (Index j = 0; j < n; ++j) {
+      const Scalar t = yr[j] * inv;
+      dr[j] *= Scalar(1) - t * t;
+    }
+  }
 
   void run_group(Index b, Index h, Index q0, Index rows) {
     const AttentionProblem<Scalar>& p = p_;
@@ -363,7 +364,7 @@ class TiledBackward {
       const Scalar* ur = u == nullptr ? nullptr : u + (i - t.i0) * ldd_;
       // The bias was added after the softcap; the weights multiplied before it.
       if (db_) add_score_gradient(db_, t, i, query, seg, [&](Index j) { return dr[j]; });
-      if (p.softcap > Scalar(0)) detail::softcap_gradient(p, b, h, query, first_key, ur, aligned(y_buf_), dr, nj);
+      if (p.softcap > Scalar(0)) softcap_gradient(b, h, query, first_key, ur, dr, nj);
       if (dw_) add_score_gradient(dw_, t, i, query, seg, [&](Index j) { return dr[j] * ur[j]; });
       // dU = dY o weights, times the scale that multiplied q . k: the operand of dq and dk.
       if (p.weights) detail::apply_broadcast_row(dr, nj, p.weights, b, h, query, first_key, /*multiply=*/true);

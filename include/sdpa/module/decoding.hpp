@@ -206,8 +206,9 @@ void ScaledDotProductAttention<Scalar>::project_into_cache(const View& kv, const
                                       {target(fc_v_, cache.value_rows(b) + at * hv, hv, 0, 0)}, device);
     }
   }
-  transform(cache.key_rows(0) + at * hk, batch, cache.capacity() * hk, n, hk, false, cache.position(), pos, batch * n);
-  transform(q_out, batch, n * hq, n, hq, true, cache.position(), pos, batch * n);
+  transform(cache.key_rows(0) + at * hk, batch, cache.capacity() * hk, n, hk, false, cache.position(),
+            {pos, batch * n});
+  transform(q_out, batch, n * hq, n, hq, true, cache.position(), {pos, batch * n});
   cache.advance(n);
 }
 
@@ -233,8 +234,8 @@ void ScaledDotProductAttention<Scalar>::project_into_narrow_cache(const View& kv
       const Target tv = target(fc_v_, sv, hv);
       kernels::project_few_rows<Scalar>(vv.data(), batch * n, d_model_, d_model_, &tv, 1, device);
     }
-    transform(sk, batch, n * hk, n, hk, false, cache.position(), pos, batch * n);
-    transform(q_out, batch, n * hq, n, hq, true, cache.position(), pos, batch * n);
+    transform(sk, batch, n * hk, n, hk, false, cache.position(), {pos, batch * n});
+    transform(q_out, batch, n * hq, n, hq, true, cache.position(), {pos, batch * n});
     for (Index b = 0; b < batch; ++b) {
       cache.store_rows(false, b, at, sk + b * n * hk, hk, n);
       cache.store_rows(true, b, at, sv + b * n * hv, hv, n);
@@ -253,19 +254,25 @@ void ScaledDotProductAttention<Scalar>::project_into_narrow_cache(const View& kv
       if (kv_same) targets.push_back(target(fc_v_, sv, hv));
       kernels::project_rows<Scalar>(kv.data() + (b * n + r0) * d_model_, m, d_model_, targets, device);
       if (!kv_same) kernels::project_rows<Scalar>(vv.data() + (b * n + r0) * d_model_, m, d_model_, {target(fc_v_, sv, hv)}, device);
-      transform(sk, 1, 0, m, hk, false, cache.position() + r0, pos == nullptr ? nullptr : pos + b * n + r0, batch * n);
+      transform(sk, 1, 0, m, hk, false, cache.position() + r0,
+                {pos == nullptr ? nullptr : pos + b * n + r0, batch * n});
       cache.store_rows(false, b, at + r0, sk, hk, m);
       cache.store_rows(true, b, at + r0, sv, hv, m);
     }
   }
-  transform(q_out, batch, n * hq, n, hq, true, cache.position(), pos, batch * n);
+  transform(q_out, batch, n * hq, n, hq, true, cache.position(), {pos, batch * n});
 }
 
 template <typename Scalar>
-void ScaledDotProductAttention<Scalar>::attend_projected(const Scalar* q, Index nq, const KVCache<Scalar>& cache,
-                                                         const AttentionOptions<Scalar>& options, bool causal, Scalar* att,
-                                                         kernels::DecodeWorkspace<Scalar>& workspace, Scalar* out,
-                                                         const char* where, const Scalar* x) const {
+void ScaledDotProductAttention<Scalar>::attend_projected(const ProjectedStep& step, const KVCache<Scalar>& cache,
+                                                         const AttentionOptions<Scalar>& options, bool causal,
+                                                         kernels::DecodeWorkspace<Scalar>& workspace,
+                                                         const char* where) const {
+  const Scalar* q = step.q;
+  const Scalar* x = step.x;
+  Scalar* att = step.att;
+  Scalar* out = step.out;
+  const Index nq = step.nq;
   const Index batch = cache.batch(), nk = cache.size(), hq = h_ * d_k_, hv = h_ * d_v_;
   kernels::AttentionProblem<Scalar> p =
       detail::problem_of(call_shape(where, batch, nq, nk), options, masked_rows_, causal, nk - nq);
@@ -314,7 +321,7 @@ void ScaledDotProductAttention<Scalar>::attend_impl(const View& q, const KVCache
   transform(qbuf.data(), batch, nq * hq, nq, hq, true, cache.position() - nq);
   detail::Buffer<Scalar> att(static_cast<std::size_t>(batch * nq * h_ * d_v_ * (gated_ ? 2 : 1)));
   kernels::DecodeWorkspace<Scalar> workspace;
-  attend_projected(qbuf.data(), nq, cache, options, options.causal, att.data(), workspace, out, where, q.data());
+  attend_projected({qbuf.data(), nq, q.data(), att.data(), out}, cache, options, options.causal, workspace, where);
 }
 
 template <typename Scalar>
@@ -336,7 +343,7 @@ void ScaledDotProductAttention<Scalar>::step_impl(const View& x, KVCache<Scalar>
   Scalar* q = scratch.queries.reset_at_least(static_cast<std::size_t>(batch * n * h_ * d_k_));
   Scalar* att = scratch.attention.reset_at_least(static_cast<std::size_t>(batch * n * h_ * d_v_ * (gated_ ? 2 : 1)));  // and the gate's
   project_into_cache(x, x, cache, options.device, q, options.rotary_positions.empty() ? nullptr : options.rotary_positions.data());
-  attend_projected(q, n, cache, options, /*causal=*/true, att, scratch.decode, out, where, x.data());
+  attend_projected({q, n, x.data(), att, out}, cache, options, /*causal=*/true, scratch.decode, where);
   // A sliding window: no later query sees the entries before position() - window_left. Once they are
   // half of what is held they are dropped (a rolling buffer: memory stays O(window + chunk), and each
   // entry is moved O(1) times on average).

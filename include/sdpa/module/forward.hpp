@@ -238,9 +238,12 @@ auto ScaledDotProductAttention<Scalar>::project(const View& qv, const View& kv, 
 }
 
 template <typename Scalar>
-void ScaledDotProductAttention<Scalar>::rotate_projected(Scalar* q, Index ldq, Scalar* k, Index ldk, Index batch, Index nq,
-                                                         Index nk, const AttentionOptions<Scalar>& options, bool inverse)
-    const {
+void ScaledDotProductAttention<Scalar>::rotate_projected(gemm::Matrix<Scalar> qm, gemm::Matrix<Scalar> km, Index batch,
+                                                         Index nq, Index nk, const AttentionOptions<Scalar>& options,
+                                                         bool inverse) const {
+  Scalar* q = qm.data;
+  Scalar* k = km.data;
+  const Index ldq = qm.ld, ldk = km.ld;
   if (!has_rotary_) return;
   if (!options.rotary_positions.empty()) {
     // The caller's positions: of the key rows, the queries taking their key row's.
@@ -248,17 +251,21 @@ void ScaledDotProductAttention<Scalar>::rotate_projected(Scalar* q, Index ldq, S
     const Index rows_k = batch * nk;
     if (!options.packed()) {
       for (Index b = 0; b < batch; ++b) {
-        if (k != nullptr) apply_rotary_at(rotary_, k + b * nk * ldk, nk, ldk, kv_heads_, d_k_, d_k_, pos + b * nk, rows_k, inverse);
+        if (k != nullptr)
+          apply_rotary_at(rotary_, RotaryRows(k + b * nk * ldk, nk, ldk, kv_heads_, d_k_, d_k_), pos + b * nk, rows_k,
+                          inverse);
         if (q != nullptr)
-          apply_rotary_at(rotary_, q + b * nq * ldq, nq, ldq, h_, d_k_, d_k_, pos + b * nk + (nk - nq), rows_k, inverse);
+          apply_rotary_at(rotary_, RotaryRows(q + b * nq * ldq, nq, ldq, h_, d_k_, d_k_), pos + b * nk + (nk - nq),
+                          rows_k, inverse);
       }
       return;
     }
-    if (k != nullptr) apply_rotary_at(rotary_, k, nk, ldk, kv_heads_, d_k_, d_k_, pos, rows_k, inverse);
+    if (k != nullptr) apply_rotary_at(rotary_, RotaryRows(k, nk, ldk, kv_heads_, d_k_, d_k_), pos, rows_k, inverse);
     const std::vector<Index>&cq = options.cu_seqlens_q, &ck = options.cu_seqlens_k;
     for (std::size_t i = 0; q != nullptr && i + 1 < cq.size(); ++i) {
       const Index n = cq[i + 1] - cq[i], first = ck[i + 1] - n;  // the sequence's last n key rows
-      if (n > 0) apply_rotary_at(rotary_, q + cq[i] * ldq, n, ldq, h_, d_k_, d_k_, pos + first, rows_k, inverse);
+      if (n > 0)
+        apply_rotary_at(rotary_, RotaryRows(q + cq[i] * ldq, n, ldq, h_, d_k_, d_k_), pos + first, rows_k, inverse);
     }
     return;
   }
@@ -267,9 +274,9 @@ void ScaledDotProductAttention<Scalar>::rotate_projected(Scalar* q, Index ldq, S
     rotate(k, batch, nk * ldk, nk, ldk, kv_heads_, 0, inverse);
     return;
   }
-  detail::rotate_rows(rotary_, kernels::Heads<Scalar>{q, 0, ldq, d_k_}, 1, nq, h_, d_k_, nk - nq, &options.cu_seqlens_q,
-                      &options.cu_seqlens_k, inverse);
-  detail::rotate_rows(rotary_, kernels::Heads<Scalar>{k, 0, ldk, d_k_}, 1, nk, kv_heads_, d_k_, Index{0},
+  detail::rotate_rows(rotary_, kernels::Heads<Scalar>{q, 0, ldq, d_k_}, {1, nq, h_, d_k_}, nk - nq,
+                      &options.cu_seqlens_q, &options.cu_seqlens_k, inverse);
+  detail::rotate_rows(rotary_, kernels::Heads<Scalar>{k, 0, ldk, d_k_}, {1, nk, kv_heads_, d_k_}, Index{0},
                       &options.cu_seqlens_k, static_cast<const std::vector<Index>*>(nullptr), inverse);
 }
 
@@ -303,13 +310,16 @@ void ScaledDotProductAttention<Scalar>::norm_rows(Scalar* x, Index batch, Index 
 }
 
 template <typename Scalar>
-void ScaledDotProductAttention<Scalar>::transform(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, bool query,
-                                                  Index first, const Index* pos, Index pos_stride) const {
+void ScaledDotProductAttention<Scalar>::transform(Scalar* x, Index batch, Index batch_stride, Index n, Index ld,
+                                                  bool query, Index first, Positions positions) const {
+  const Index* pos = positions.pos;
+  const Index pos_stride = positions.stride;
   if (x == nullptr) return;
   if (has_qk_norm() && !qk_norm_.after_rotary) norm_rows(x, batch, batch_stride, n, ld, query);
   if (pos != nullptr && has_rotary_)
     for (Index b = 0; b < batch; ++b)
-      apply_rotary_at(rotary_, x + b * batch_stride, n, ld, query ? h_ : kv_heads_, d_k_, d_k_, pos + b * n, pos_stride);
+      apply_rotary_at(rotary_, RotaryRows(x + b * batch_stride, n, ld, query ? h_ : kv_heads_, d_k_, d_k_), pos + b * n,
+                      pos_stride);
   else
     rotate(x, batch, batch_stride, n, ld, query ? h_ : kv_heads_, first);
   if (has_qk_norm() && qk_norm_.after_rotary) norm_rows(x, batch, batch_stride, n, ld, query);
@@ -343,7 +353,7 @@ void ScaledDotProductAttention<Scalar>::transform_projected(Scalar* q, Index ldq
     norm_rows(q, 1, 0, batch * nq, ldq, true, options.device);
     norm_rows(k, 1, 0, batch * nk, ldk, false, options.device);
   }
-  rotate_projected(q, ldq, k, ldk, batch, nq, nk, options);
+  rotate_projected({q, ldq}, {k, ldk}, batch, nq, nk, options);
   if (has_qk_norm() && qk_norm_.after_rotary) {
     norm_rows(q, 1, 0, batch * nq, ldq, true, options.device);
     norm_rows(k, 1, 0, batch * nk, ldk, false, options.device);

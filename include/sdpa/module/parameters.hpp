@@ -226,7 +226,8 @@ template <typename Scalar>
 void ScaledDotProductAttention<Scalar>::rotate(Scalar* x, Index batch, Index batch_stride, Index n, Index ld, Index heads,
                                                Index first, bool inverse) const {
   if (!has_rotary_ || x == nullptr) return;
-  for (Index b = 0; b < batch; ++b) apply_rotary(rotary_, x + b * batch_stride, n, ld, heads, d_k_, d_k_, first, inverse);
+  for (Index b = 0; b < batch; ++b)
+    apply_rotary(rotary_, RotaryRows(x + b * batch_stride, n, ld, heads, d_k_, d_k_), first, inverse);
 }
 
 SDPA_NAMESPACE_END

@@ -234,7 +234,7 @@ void ScaledDotProductAttention<Scalar>::transform_backward(Scalar* dq, Scalar* d
   const Index batch = s.batch_, nq = s.nq_, nk = s.nk_, hq = h_ * d_k_, kk = kv_heads_ * d_k_;
   temper_queries(dq, hq, batch, nq, nk, options);  // a diagonal scale: its own transpose
   if (!has_qk_norm()) {
-    rotate_projected(dq, hq, dk, kk, batch, nq, nk, options, /*inverse=*/true);
+    rotate_projected({dq, hq}, {dk, kk}, batch, nq, nk, options, /*inverse=*/true);
     return;
   }
   const bool per_head = qk_norm_.kind == QkNormKind::kHead;
@@ -243,7 +243,7 @@ void ScaledDotProductAttention<Scalar>::transform_backward(Scalar* dq, Scalar* d
     const Index heads = query ? h_ : kv_heads_, ld = heads * d_k_;
     const std::vector<Scalar>& w = query ? qk_norm_.q_weight : qk_norm_.k_weight;
     std::vector<double>& dw = query ? dwq : dwk;
-    detail::rms_norm_backward_rows(x, d, rows, ld, ld, per_head ? heads : 1, per_head ? d_k_ : ld,
+    detail::rms_norm_backward_rows(x, d, {rows, ld, per_head ? heads : 1, per_head ? d_k_ : ld},
                                    w.empty() ? nullptr : w.data(), qk_norm_.eps, dw.empty() ? nullptr : dw.data());
   };
   if (qk_norm_.after_rotary) {
@@ -251,12 +251,12 @@ void ScaledDotProductAttention<Scalar>::transform_backward(Scalar* dq, Scalar* d
     detail::Buffer<Scalar> rq(static_cast<std::size_t>(batch * nq * hq)), rk(static_cast<std::size_t>(batch * nk * kk));
     std::copy_n(s.pre_q_.data(), rq.size(), rq.data());
     std::copy_n(s.pre_k_.data(), rk.size(), rk.data());
-    rotate_projected(rq.data(), hq, rk.data(), kk, batch, nq, nk, options);
+    rotate_projected({rq.data(), hq}, {rk.data(), kk}, batch, nq, nk, options);
     norm_backward(rq.data(), dq, batch * nq, true);
     norm_backward(rk.data(), dk, batch * nk, false);
-    rotate_projected(dq, hq, dk, kk, batch, nq, nk, options, /*inverse=*/true);
+    rotate_projected({dq, hq}, {dk, kk}, batch, nq, nk, options, /*inverse=*/true);
   } else {
-    rotate_projected(dq, hq, dk, kk, batch, nq, nk, options, /*inverse=*/true);
+    rotate_projected({dq, hq}, {dk, kk}, batch, nq, nk, options, /*inverse=*/true);
     norm_backward(s.pre_q_.data(), dq, batch * nq, true);
     norm_backward(s.pre_k_.data(), dk, batch * nk, false);
   }

@@ -217,11 +217,19 @@ inline void unpair_features(Isa isa, float* acc, Eigen::Index n) noexcept {
   });
 }
 
+// A dropout draw's Philox stream: its key and the call it numbers.
+struct PhiloxStream {
+  std::uint32_t key0 = 0;
+  std::uint32_t key1 = 0;
+  std::uint32_t call = 0;
+};
+
 // Philox words of the first blocks of [k4_begin, k4_begin + blocks) of row (bh, q) that the path computes
 // `width` blocks at a time, in DropoutSampler::fill_bits's layout; returns how many blocks that covered
 // (0 on the portable path). The caller computes the rest one block at a time.
-inline std::int64_t philox_fill(Isa isa, std::uint32_t key0, std::uint32_t key1, std::uint32_t call, std::int64_t bh,
-                                std::int64_t q, std::int64_t k4_begin, std::int64_t blocks, std::uint32_t* out) noexcept {
+inline std::int64_t philox_fill(Isa isa, const PhiloxStream& stream, std::int64_t bh, std::int64_t q,
+                                std::int64_t k4_begin, std::int64_t blocks, std::uint32_t* out) noexcept {
+  const std::uint32_t key0 = stream.key0, key1 = stream.key1, call = stream.call;
   std::int64_t i = 0;
   const auto run = [&](auto width, auto fill) {
     for (; i + width <= blocks; i += width)
