@@ -1,5 +1,5 @@
 // compute_bench: Compute::kBf16 (sdpa/compute.hpp) against kFloat on the same calls, on every bfloat16 path
-// this CPU runs, beside the machine's peaks measured in the same run (scripts/run_compute_benchmarks.py
+// this CPU runs, beside the machine's peaks measured in the same run (bench/run.py --suite compute
 // adds PyTorch's bf16 SDPA and module from pip and writes bench/results/compute.md):
 //   peak/fma/<isa>                 independent float FMA chains (fma_peak.hpp)
 //   peak/bf16/avx512_bf16          independent vdpbf16ps chains (64 FLOP per instruction)

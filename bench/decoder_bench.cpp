@@ -1,6 +1,6 @@
 // decoder_bench: the options of today's decoders, against the same call without them, one thread, float,
-// eval, d_model 512, h 8, d_k = d_v = 64 (scripts/run_isa_benchmarks.py runs it and writes the
-// "Instruction sets and today's decoders" section of bench/RESULTS.md):
+// eval, d_model 512, h 8, d_k = d_v = 64 (bench/run.py --suite decoder runs it and writes the
+// page bench/results/decoder.md):
 //   decoder/step/kv:<kv>/rotary:<0|1>/cache:4095      one decoding step (one token) against 4095 cached
 //                                                     entries, kv_heads 8 (multi-head) or 2; the cache is
 //                                                     truncated back after each step

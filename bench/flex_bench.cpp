@@ -1,6 +1,6 @@
 // flex_bench: programmable attention (sdpa/flex.hpp) against the fixed options and separate calls that do
 // the same work, on sdpa::attention over (1, 8, N, 64) float tensors (d_model 512's heads), 1 thread and 2
-// (scripts/run_flex_benchmarks.py adds PyTorch's flex_attention from pip and writes bench/results/flex.md):
+// (bench/run.py --suite flex adds PyTorch's flex_attention from pip and writes bench/results/flex.md):
 //   flex/causal/<how>/N:8192/<pass>/threads:T       how: fixed (options.causal), builtin (flex::causal with
 //                                                   its analytic plan), lambda (a generic lambda with the plan
 //                                                   block_mask_from builds from it); pass: fwd, bwd (the

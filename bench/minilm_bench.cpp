@@ -9,7 +9,7 @@
 //                                     cu_seqlens: the sentences' own rows only (the bits of each sentence
 //                                     alone, which are its real rows of the padded call)
 // The weights are PyTorch-default random ones of the trained model's shapes: the time does not depend on
-// their values. scripts/run_minilm_benchmarks.py runs it beside transformers' eager and SDPA attention.
+// their values. bench/run.py --suite minilm runs it beside transformers' eager and SDPA attention.
 #include <benchmark/benchmark.h>
 
 #include <string>

@@ -1,5 +1,5 @@
 // models_bench: the attention blocks of today's open models (issue 48), beside the FMA peak measured in the
-// same run (scripts/run_models_benchmarks.py writes bench/results/models.md). float, 1 thread and 2:
+// same run (bench/run.py --suite models writes bench/results/models.md). float, 1 thread and 2:
 //   peak/fma/<isa>/threads:T                    independent FMA chains (fma_peak.hpp)
 //   mla/absorbed/cache:4096/threads:T           DeepSeek V3's attention shapes (128 heads, kv_lora 512, rope 64,
 //                                               nope 128, v 128), batch 1, one token: LatentAttention::attend

@@ -1,6 +1,6 @@
 // ring_bench: ring attention over MPI (sdpa/distributed/ring_attention.hpp) against sdpa::attention in one
 // process, for one causal self-attention sequence (batch 1, h 8, d_k = d_v 64, float, 1 thread per rank).
-// Run by scripts/run_ring_benchmarks.py:
+// Run by bench/run.py --suite ring:
 //   mpiexec -np 1 ring_bench --benchmark_filter=single ...   the whole sequence in one process
 //   mpiexec -np P ring_bench --benchmark_filter=ring ...     the sequence split over P ranks
 //   mpiexec -np P ring_bench --memory ring|single N         peak RSS (VmHWM) of one call, per rank, as JSON

@@ -1,9 +1,9 @@
 // table_bench: sdpa on the configurations ../shared/peers/ times PyTorch 2.6 and ONNX Runtime 1.21 on, with
 // the same FLOP count (peer_perf.py: the four projections and 2 * B * h * pairs * (d_k + d_v)), so that the
-// peers table of bench/RESULTS.md compares like with like. d_model 512, h 8, float, eval, self-attention:
+// peers table of bench/results/peers.md compares like with like. d_model 512, h 8, float, eval, self-attention:
 //   table/demo (50 x 49, d_k 512), table/std (50 x 49, d_k 64), table/long (1 x 4096, d_k 64),
 //   table/long_causal (the same with causal = true), table/long8k (1 x 8192, d_k 64); 1 and 2 threads.
-// fma_peak/<isa> (bench/fma_peak.hpp) is registered too: scripts/run_peer_benchmarks.py runs the cases with
+// fma_peak/<isa> (bench/fma_peak.hpp) is registered too: bench/run.py --suite peers runs the cases with
 // their repetitions interleaved, so that "% of the FMA peak" compares rates measured over the same minutes,
 // beside gemm_bench (the peak again, dnnl_sgemm) and the peers. Each case times calls after a first one.
 #include <benchmark/benchmark.h>

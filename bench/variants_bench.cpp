@@ -10,7 +10,7 @@
 //   variants_bench --peak_rss CASE N       one forward, then prints {"case", "N", "vm_hwm_mib"} as JSON
 //                                          (VmHWM, the address space's high-water mark; run it in a fresh
 //                                          process per measurement)
-// scripts/run_variant_benchmarks.py runs both and writes their section of bench/RESULTS.md.
+// bench/run.py --suite variants runs both and writes bench/results/variants.md.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>

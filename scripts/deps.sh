@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages named as arguments that are missing: with apt-get when run as root,
-# otherwise prints the command to run and fails. Sourced by the quick-start scripts.
+# otherwise prints the command to run and fails. Sourced by the quick-start scripts (scripts/test.sh,
+# scripts/demo.sh) and by CI's (.ci/run and the scripts beside it).
 sdpa_install_missing() {
   local missing=()
   local pkg

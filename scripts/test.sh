@@ -2,7 +2,7 @@
 # Quick start 2: builds the tests and examples and runs the `quick` label with ctest: every unit test once
 # per instruction-set path this CPU runs (AVX-512, AVX2, portable), the PyTorch parity fixtures, the
 # examples. Built at -O2 without -march, as distributions build (sdpa picks its kernels at run time), so that the
-# same binaries also run on other CPUs (scripts/emulated.sh). Installs what is missing on Debian 12. (The consumer projects and -Werror builds are the
+# same binaries also run on other CPUs (.ci/emulated.sh). Installs what is missing on Debian 12. (The consumer projects and -Werror builds are the
 # `consumers` label, which CI runs: ctest --test-dir build -L consumers.)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -1,7 +1,7 @@
 // Tests of sdpa/attention.hpp (the functional core, sdpa::attention and attention_backward) and of today's
 // decoder options through the module (grouped-query heads, rotary embeddings, softcap, sinks, a scale),
 // float and double:
-//   - against float64 PyTorch autograd (tests/fixtures/core/, scripts/make_core_fixtures.py): outputs,
+//   - against float64 PyTorch autograd (tests/fixtures/core/, scripts/fixtures/make_core_fixtures.py): outputs,
 //     probabilities and every gradient (q, k, v, weights, bias, sinks; the module's inputs and
 //     parameters), on the tiled and the reference kernels, in both layouts, on 1 and 2 threads (the
 //     same bits);
@@ -140,7 +140,7 @@ TYPED_TEST_SUITE(AttentionTest, Scalars);
 TYPED_TEST(AttentionTest, MatchesPyTorchAutogradOnEveryFixture) {
   using T = TypeParam;
   const auto files = fixture_files(0);
-  if (files.empty()) GTEST_SKIP() << "no fixtures in " << SDPA_FIXTURE_DIR << "/core (scripts/make_core_fixtures.py writes them)";
+  if (files.empty()) GTEST_SKIP() << "no fixtures in " << SDPA_FIXTURE_DIR << "/core (scripts/fixtures/make_core_fixtures.py writes them)";
   Eigen::ThreadPool pool(2);
   Eigen::ThreadPoolDevice two(&pool, 2);
   for (const std::string& path : files) {
@@ -245,13 +245,13 @@ TYPED_TEST(AttentionTest, ModuleWithGroupedHeadsAndRotaryMatchesPyTorchAutograd)
 }
 
 // ONNX Runtime's com.microsoft.GroupQueryAttention on the same inputs (tests/fixtures/ort_gqa/,
-// scripts/make_ort_gqa_fixtures.py): causal prompts with GQA/MQA, both rotary layouts and partial rotary, a
+// scripts/fixtures/make_ort_gqa_fixtures.py): causal prompts with GQA/MQA, both rotary layouts and partial rotary, a
 // local window (ORT's local_window_size w: w keys, the query's own included; sdpa's window_left = w - 1),
 // softcap and a scale. The op's packed (b, s, heads * d) inputs are (b, s, heads, d) tensors: Layout::kBNHD.
 TYPED_TEST(AttentionTest, MatchesOnnxRuntimeGroupQueryAttention) {
   using T = TypeParam;
   const std::filesystem::path dir = std::filesystem::path(SDPA_FIXTURE_DIR) / "ort_gqa";
-  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no fixtures in " << dir << " (scripts/make_ort_gqa_fixtures.py)";
+  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no fixtures in " << dir << " (scripts/fixtures/make_ort_gqa_fixtures.py)";
   int checked = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     if (e.path().extension() != ".sdpafix") continue;

@@ -9,7 +9,7 @@
 //     causal, windows, key lengths, bias and sinks;
 //   - a hidden key's non-finite value row adds nothing (the padding to whole tiles reaches such rows);
 //   - the error against float64 is no larger than PyTorch's own bf16 SDPA's on the same inputs
-//     (tests/fixtures/bf16_accuracy.txt, scripts/make_bf16_fixtures.py), at n = 1024 and 4096, d 64 and
+//     (tests/fixtures/bf16_accuracy.txt, scripts/fixtures/make_bf16_fixtures.py), at n = 1024 and 4096, d 64 and
 //     128, causal and not, random and peaked, over 512 rows of each;
 //   - the projections (project_rows_bf16) multiply rounded x and weights (float, bfloat16, float16), with
 //     the same bits on 1 and 2 threads;
@@ -546,7 +546,7 @@ std::uint64_t splitmix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// scripts/make_bf16_fixtures.py's inputs: exact in float before the rounding, so both get the same bits.
+// scripts/fixtures/make_bf16_fixtures.py's inputs: exact in float before the rounding, so both get the same bits.
 T4 fixture_tensor(std::uint64_t seed, std::uint64_t which, Index n, Index d, bool peaked) {
   T4 t(1, 1, n, d);
   const std::uint64_t base = splitmix64(4 * seed + which);

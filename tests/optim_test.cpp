@@ -1,6 +1,6 @@
 // Tests of sdpa/optim.hpp: SGD (momentum, dampening, Nesterov, weight decay), Adam and AdamW (with and
 // without AMSGrad) against PyTorch's torch.optim over five steps (tests/fixtures/optim/, written by
-// scripts/make_optim_fixtures.py), on a small stand-in module and on ScaledDotProductAttention itself, in
+// scripts/fixtures/make_optim_fixtures.py), on a small stand-in module and on ScaledDotProductAttention itself, in
 // float and double; refusals of a parameter name or shape that differs (before anything changes) and of
 // bad hyperparameters, with messages that name them; the state kept per name, zero_state and set_lr.
 #include "sdpa/optim.hpp"

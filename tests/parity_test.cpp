@@ -1,4 +1,4 @@
-// Parity with PyTorch: every fixture of tests/fixtures (written by scripts/make_fixtures.py from the
+// Parity with PyTorch: every fixture of tests/fixtures (written by scripts/fixtures/make_fixtures.py from the
 // original External-Attention-pytorch module, eval() mode) is loaded into a ScaledDotProductAttention
 // of its scalar type and run three ways: on Eigen::Tensor inputs, on TensorMaps of the same values (must
 // give bit-identical results), and on a two-thread ThreadPoolDevice. Each is compared with PyTorch's

@@ -1,11 +1,11 @@
 // Tests for sdpa/io/safetensors.hpp: bit-exact save -> load round trips (float, double, prefix, metadata),
-// byte-identical output to scripts/export_pytorch.py, PyTorch-exported F32/F64/F16/BF16 files under a
+// byte-identical output to scripts/models/export_pytorch.py, PyTorch-exported F32/F64/F16/BF16 files under a
 // prefix reproducing PyTorch's output, half and bfloat16 conversions against PyTorch's (and exhaustively
 // against a formula), and one test per kind of malformed file: each must be refused with a
 // SafetensorsError naming the file and the problem, leaving the module's parameters untouched. Narrow
 // storage: caches saved and loaded in their own dtype (BF16, F16, I8 with scales), bfloat16 / float16
 // weights saved as stored and kept with LoadOptions::keep_dtype.
-// Fixtures: tests/fixtures/safetensors/, written by scripts/export_pytorch.py fixtures.
+// Fixtures: tests/fixtures/safetensors/, written by scripts/models/export_pytorch.py fixtures.
 #include "sdpa/io/safetensors.hpp"
 
 #include <gtest/gtest.h>
@@ -233,7 +233,7 @@ TEST(SafetensorsRoundTrip, LayoutIsTheReferences) {
 }
 
 TEST(SafetensorsRoundTrip, SameBytesAsThePythonExporter) {
-  // sdpa_f32_attn_only holds exactly the module's tensors, written by scripts/export_pytorch.py.
+  // sdpa_f32_attn_only holds exactly the module's tensors, written by scripts/models/export_pytorch.py.
   const std::string expected = read_file(fixture("sdpa_f32_attn_only.safetensors"));
   ASSERT_FALSE(expected.empty());
   ScaledDotProductAttention<float> m(kDModel, kDK, kDV, kH);

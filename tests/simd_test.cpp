@@ -57,7 +57,7 @@ TEST(CpuIsa, ReportsAPathTheCpuRuns) {
     EXPECT_TRUE(f.avx2 && f.fma && f.f16c);
   }
   // The environment's choice, when the test runs under one (ctest runs the suite once per path), and the
-  // path an emulated CPU must get (scripts/emulated.sh: portable on Nehalem, avx2 on Haswell).
+  // path an emulated CPU must get (.ci/emulated.sh: portable on Nehalem, avx2 on Haswell).
   if (const char* env = std::getenv("SDPA_ISA")) {
     if (std::strcmp(env, "auto") != 0) {
       EXPECT_EQ(name, env);

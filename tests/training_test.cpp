@@ -1,5 +1,5 @@
 // Tests of the module's training path (forward with a ForwardState, backward): every input, parameter,
-// weights and bias gradient against PyTorch autograd (fixtures by scripts/make_grad_fixtures.py: masks,
+// weights and bias gradient against PyTorch autograd (fixtures by scripts/fixtures/make_grad_fixtures.py: masks,
 // weights, bias, causal with nq != nk, windows, key lengths, ALiBi, cross-attention, d_k != d_v, h = 1, both
 // masked-row policies; float64 to 1e-10 and float32 to 1e-4), on both kernels and 2 threads; bit-identical
 // gradients on 1 and 2 threads and from a reused state; training-mode dropout against central finite

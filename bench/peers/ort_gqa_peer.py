@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ONNX Runtime's com.microsoft.GroupQueryAttention with the projections around it, on decoder_bench's
-configurations (d_model 512, h 8, d_k 64, float, 1 thread), for the "Today's decoders" section of
-bench/RESULTS.md:
+configurations (d_model 512, h 8, d_k 64, float, 1 thread), for the decoder suite (bench/run.py --suite
+decoder, bench/results/decoder.md):
 
     step     one token against `cache` past entries (past_key / past_value bound to the present outputs,
              so ORT updates its cache in place, its fastest decoding setup), kv_heads 8 or 2, rotary on/off

@@ -1,8 +1,8 @@
 // libFuzzer target for sdpa/io/safetensors_format.hpp and sdpa/io/safetensors.hpp (built and run by
-// scripts/fuzz.sh): every input is parsed, its floating-point tensors converted, and loaded into a small
+// .ci/fuzz.sh): every input is parsed, its floating-point tensors converted, and loaded into a small
 // module with and without a prefix. A SafetensorsError is the expected answer to a bad file; any other
 // exception, a sanitizer report, or a refused load that changed the module is a crash. An accepted load must also survive save -> load
-// bit-exactly. Seeds: tests/fuzz/corpus/ (scripts/export_pytorch.py fixtures), for a
+// bit-exactly. Seeds: tests/fuzz/corpus/ (scripts/models/export_pytorch.py fixtures), for a
 // ScaledDotProductAttention<float>(4, 2, 2, 2) stored without a prefix or under "m.".
 #include <cstdint>
 #include <cstdio>

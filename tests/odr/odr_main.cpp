@@ -1,6 +1,6 @@
 // The ODR test: this translation unit is compiled without any -march flag and runs sdpa's module, its
 // decoding step and its products, linked after odr_avx512.cpp, which uses the same functions compiled with
-// AVX-512. Run under `qemu-x86_64 -cpu Haswell` (AVX2, no AVX-512; scripts/emulated.sh) it must not meet an
+// AVX-512. Run under `qemu-x86_64 -cpu Haswell` (AVX2, no AVX-512; .ci/emulated.sh) it must not meet an
 // AVX-512 instruction: each baseline has its own copies of sdpa's inline functions (sdpa/config.hpp), and
 // the kernels chosen at run time (sdpa/cpu.hpp) run the AVX2 path. Prints the path and a checksum; exits
 // non-zero when the path is not the one expected (argv[1], if given) or the results are not finite.

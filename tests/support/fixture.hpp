@@ -1,4 +1,4 @@
-// Reader of the PyTorch parity fixtures written by scripts/make_fixtures.py (tests/fixtures/*.sdpafix),
+// Reader of the PyTorch parity fixtures written by scripts/fixtures/make_fixtures.py (tests/fixtures/*.sdpafix),
 // and helpers that load them into a ScaledDotProductAttention and Eigen tensors.
 //
 // File format "SDPAFIX1" (all integers and floats little-endian, no padding, no alignment):
