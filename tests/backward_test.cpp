@@ -31,6 +31,7 @@
 #include "sdpa/kernels/reference.hpp"
 #include "sdpa/kernels/tiled.hpp"
 #include "sdpa/mask.hpp"
+#include "support/problem.hpp"
 
 
 namespace backward_test {
@@ -51,180 +52,20 @@ using sdpa::kernels::TileConfig;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// What a test problem looks like; make_problem turns it into buffers, a forward and a backward problem.
-struct Spec {
-  Index batch = 2, heads = 2, nq = 5, nk = 7, d_k = 4, d_v = 3;
-  Index pad = 0;       // unused elements after each row of q, k, v
-  Index grad_pad = 0;  // likewise for the gradients, which have their own strides
-  bool fused = false;  // q | k | v in one buffer per row, and dq | dk | dv likewise (needs nq == nk)
-  bool has_mask = false;
-  std::array<bool, 4> mask_full{{true, true, true, true}};  // false: that dimension is 1 (broadcast)
-  double mask_rate = 0.3;
-  double fully_masked_rate = 0.0;  // share of mask rows whose every key is masked
-  bool has_weights = false;
-  std::array<bool, 4> weights_full{{true, true, true, true}};
-  bool has_bias = false;
-  std::array<bool, 4> bias_full{{true, true, true, true}};
-  bool causal = false;
-  Index window_left = -1, window_right = -1;
-  std::vector<Index> key_lengths;  // empty or one per batch entry
-  bool alibi = false;
-  MaskedRows policy = MaskedRows::kZero;
-  double dropout = 0.0;
-  std::uint32_t seed = 1;
+// The problems: tests/support/problem.hpp, here with the backward's buffers and smaller heads by default.
+struct Spec : sdpa_test::Spec {
+  Spec() {
+    d_k = 4;
+    d_v = 3;
+    backward = true;
+  }
 };
-
-std::string describe(const Spec& s) {
-  std::string d = "batch " + std::to_string(s.batch) + " heads " + std::to_string(s.heads) + " nq " +
-                  std::to_string(s.nq) + " nk " + std::to_string(s.nk) + " d_k " + std::to_string(s.d_k) + " d_v " +
-                  std::to_string(s.d_v) + " seed " + std::to_string(s.seed);
-  if (s.fused) d += " fused";
-  if (s.pad || s.grad_pad) d += " padded";
-  if (s.has_mask) d += " mask " + std::to_string(s.mask_full[0]) + std::to_string(s.mask_full[1]) +
-                       std::to_string(s.mask_full[2]) + std::to_string(s.mask_full[3]);
-  if (s.has_weights) d += " weights " + std::to_string(s.weights_full[0]) + std::to_string(s.weights_full[1]) +
-                          std::to_string(s.weights_full[2]) + std::to_string(s.weights_full[3]);
-  if (s.has_bias) d += " bias " + std::to_string(s.bias_full[0]) + std::to_string(s.bias_full[1]) +
-                       std::to_string(s.bias_full[2]) + std::to_string(s.bias_full[3]);
-  if (s.causal) d += " causal";
-  if (s.window_left >= 0) d += " window_left " + std::to_string(s.window_left);
-  if (s.window_right >= 0) d += " window_right " + std::to_string(s.window_right);
-  if (!s.key_lengths.empty()) d += " key_lengths";
-  if (s.alibi) d += " alibi";
-  if (s.policy == MaskedRows::kNaN) d += " kNaN";
-  if (s.dropout > 0) d += " dropout " + std::to_string(s.dropout);
-  return d;
-}
+using sdpa_test::describe;
+using sdpa_test::make_problem;
+using sdpa_test::TestProblem;
 
 std::string describe(const TileConfig& c) {
   return "blocks " + std::to_string(c.block_q) + "x" + std::to_string(c.block_k) + " group " + std::to_string(c.group);
-}
-
-template <typename T>
-struct TestProblem {
-  Spec spec;
-  std::vector<T> qkv;                       // q, k, v storage
-  std::vector<T> out, lse, dout;            // the forward's O and log-sum-exp, and dL/dO
-  std::vector<T> grads;                     // dq, dk, dv storage (padding included)
-  std::vector<T> d_weights, d_bias;
-  sdpa::Mask mask;
-  Eigen::Tensor<T, 4, Eigen::RowMajor> weights, bias;
-  std::vector<T> alibi;
-  std::vector<Index> key_lengths;
-  std::array<Index, 4> weights_dims{}, bias_dims{};
-  AttentionProblem<T> p;
-  BackwardProblem<T> bp;
-};
-
-std::array<Index, 4> dims_of(const std::array<bool, 4>& full, const std::array<Index, 4>& sizes) {
-  std::array<Index, 4> d{};
-  for (std::size_t i = 0; i < 4; ++i) d[i] = full[i] ? sizes[i] : 1;
-  return d;
-}
-
-template <typename T>
-std::unique_ptr<TestProblem<T>> make_problem(const Spec& s) {
-  auto t = std::make_unique<TestProblem<T>>();
-  t->spec = s;
-  std::mt19937 gen(s.seed);
-  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  std::bernoulli_distribution masked(s.mask_rate), fully(s.fully_masked_rate);
-
-  AttentionProblem<T>& p = t->p;
-  p.batch = s.batch;
-  p.heads = s.heads;
-  p.nq = s.nq;
-  p.nk = s.nk;
-  p.d_k = s.d_k;
-  p.d_v = s.d_v;
-  p.scale = T(1) / std::sqrt(T(s.d_k));
-  BackwardProblem<T>& bp = t->bp;
-  if (s.fused) {
-    const Index n = s.nq, row = 2 * s.heads * s.d_k + s.heads * s.d_v;
-    t->qkv.resize(static_cast<std::size_t>(s.batch * n * row));
-    t->grads.resize(t->qkv.size());
-    p.q = {t->qkv.data(), n * row, row, s.d_k};
-    p.k = {t->qkv.data() + s.heads * s.d_k, n * row, row, s.d_k};
-    p.v = {t->qkv.data() + 2 * s.heads * s.d_k, n * row, row, s.d_v};
-    bp.d_q = {t->grads.data(), n * row, row, s.d_k};
-    bp.d_k = {t->grads.data() + s.heads * s.d_k, n * row, row, s.d_k};
-    bp.d_v = {t->grads.data() + 2 * s.heads * s.d_k, n * row, row, s.d_v};
-  } else {
-    auto layout = [&](Index pad, std::vector<T>& buf, auto& q, auto& k, auto& v) {
-      const Index rq = s.heads * s.d_k + pad, rk = s.heads * s.d_k + pad, rv = s.heads * s.d_v + pad;
-      const Index nq_size = s.batch * s.nq * rq, nk_size = s.batch * s.nk * rk, nv_size = s.batch * s.nk * rv;
-      buf.resize(static_cast<std::size_t>(nq_size + nk_size + nv_size + 1));
-      T* base = buf.data();
-      q = {base, s.nq * rq, rq, s.d_k};
-      k = {base + nq_size, s.nk * rk, rk, s.d_k};
-      v = {base + nq_size + nk_size, s.nk * rv, rv, s.d_v};
-    };
-    layout(s.pad, t->qkv, p.q, p.k, p.v);
-    layout(s.grad_pad, t->grads, bp.d_q, bp.d_k, bp.d_v);
-  }
-  for (T& x : t->qkv) x = T(uniform(gen));
-
-  const std::array<Index, 4> full{{s.batch, s.heads, s.nq, s.nk}};
-  if (s.has_mask) {
-    const std::array<Index, 4> dims = dims_of(s.mask_full, full);
-    t->mask.resize(dims);
-    for (Index b = 0; b < dims[0]; ++b)
-      for (Index h = 0; h < dims[1]; ++h)
-        for (Index i = 0; i < dims[2]; ++i) {
-          const bool all = fully(gen);
-          for (Index j = 0; j < dims[3]; ++j) t->mask(b, h, i, j) = all || masked(gen);
-        }
-    p.mask = sdpa::make_broadcast_view<bool>(&t->mask, full, "backward_test", "mask");
-  }
-  if (s.has_weights) {
-    t->weights_dims = dims_of(s.weights_full, full);
-    t->weights.resize(t->weights_dims);
-    std::uniform_real_distribution<double> w(0.25, 2.0);
-    for (Index i = 0; i < t->weights.size(); ++i) t->weights.data()[i] = T(w(gen));
-    p.weights = sdpa::make_broadcast_view<T>(&t->weights, full, "backward_test", "weights");
-    t->d_weights.resize(static_cast<std::size_t>(t->weights.size()));
-    bp.d_weights = t->d_weights.data();
-    bp.weights_dims = t->weights_dims;
-  }
-  if (s.has_bias) {
-    t->bias_dims = dims_of(s.bias_full, full);
-    t->bias.resize(t->bias_dims);
-    std::uniform_real_distribution<double> w(-2.0, 2.0);
-    for (Index i = 0; i < t->bias.size(); ++i) t->bias.data()[i] = T(w(gen));
-    p.bias = sdpa::make_broadcast_view<T>(&t->bias, full, "backward_test", "bias");
-    t->d_bias.resize(static_cast<std::size_t>(t->bias.size()));
-    bp.d_bias = t->d_bias.data();
-    bp.bias_dims = t->bias_dims;
-  }
-  if (s.alibi) {
-    std::uniform_real_distribution<double> slope(0.05, 0.8);
-    for (Index h = 0; h < s.heads; ++h) t->alibi.push_back(T(slope(gen)));
-    p.alibi = t->alibi.data();
-  }
-  t->key_lengths = s.key_lengths;
-  p.key_lengths = t->key_lengths.empty() ? nullptr : t->key_lengths.data();
-  p.causal = s.causal;
-  p.window_left = s.window_left;
-  p.window_right = s.window_right;
-  p.query_offset = s.nk - s.nq;
-  p.masked_rows = s.policy;
-  if (s.dropout > 0.0) {
-    p.dropout = true;
-    p.sampler = sdpa::DropoutSampler(s.seed * 7919u + 13u, 3, s.dropout);
-    p.keep_scale = s.dropout >= 1.0 ? T(0) : T(1.0 / (1.0 - s.dropout));
-  }
-
-  // The forward as it ran before the backward: O and the rows' log-sum-exp; then a random dL/dO.
-  t->out.assign(static_cast<std::size_t>(s.batch * s.nq * s.heads * s.d_v), T(0));
-  t->lse.assign(static_cast<std::size_t>(s.batch * s.heads * s.nq), T(0));
-  p.out = {t->out.data(), s.nq * s.heads * s.d_v, s.heads * s.d_v, s.d_v};
-  p.lse = t->lse.data();
-  sdpa::kernels::tiled_attention(p);
-  t->dout.resize(t->out.size());
-  for (T& x : t->dout) x = T(uniform(gen));
-  bp.forward = &t->p;
-  bp.d_out = {t->dout.data(), s.nq * s.heads * s.d_v, s.heads * s.d_v, s.d_v};
-  return t;
 }
 
 // Gradients as dense arrays: dq (batch, nq, heads, d_k), dk (batch, nk, heads, d_k), dv (batch, nk, heads,

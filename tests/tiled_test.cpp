@@ -47,6 +47,7 @@ std::atomic<int> g_eigen_assert_failures{0};
 
 #include "sdpa/kernels/reference.hpp"
 #include "sdpa/mask.hpp"
+#include "support/problem.hpp"
 
 
 namespace tiled_test {
@@ -57,109 +58,10 @@ using sdpa::kernels::AttentionProblem;
 using sdpa::kernels::TileConfig;
 using sdpa::kernels::TileStats;
 
-// What a test problem looks like; make_problem turns it into buffers and an AttentionProblem.
-struct Spec {
-  Index batch = 2, heads = 2, nq = 5, nk = 7, d_k = 8, d_v = 6;
-  // q, k and v in one (batch, n, 2 * h * d_k + h * d_v) buffer, as a fused QKV projection leaves them
-  // (needs nq == nk); otherwise three buffers whose rows carry `pad` unused elements.
-  bool fused = false;
-  Index pad = 0;
-  bool has_mask = false;
-  std::array<bool, 4> mask_full{{true, true, true, true}};  // false: that dimension is 1 (broadcast)
-  double mask_rate = 0.3;
-  double fully_masked_rate = 0.0;  // share of mask rows whose every key is masked
-  bool has_weights = false;
-  std::array<bool, 4> weights_full{{true, true, true, true}};
-  MaskedRows policy = MaskedRows::kZero;
-  double dropout = 0.0;
-  double q_magnitude = 1.0;
-  bool integer_values = false;  // q, k in small integers so that logits are exact (large-logit tests)
-  std::uint32_t seed = 1;
-};
-
-template <typename T>
-struct TestProblem {
-  std::vector<T> qkv;  // q, k, v storage (fused or three regions one after another)
-  sdpa::Mask mask;
-  Eigen::Tensor<T, 4, Eigen::RowMajor> weights;
-  AttentionProblem<T> p;
-
-  Index out_size() const { return p.batch * p.nq * p.heads * p.d_v; }
-};
-
-template <typename T>
-std::unique_ptr<TestProblem<T>> make_problem(const Spec& s) {
-  auto t = std::make_unique<TestProblem<T>>();
-  std::mt19937 gen(s.seed);
-  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  std::uniform_int_distribution<int> integer(-100, 100);
-  std::bernoulli_distribution masked(s.mask_rate), fully(s.fully_masked_rate);
-
-  AttentionProblem<T>& p = t->p;
-  p.batch = s.batch;
-  p.heads = s.heads;
-  p.nq = s.nq;
-  p.nk = s.nk;
-  p.d_k = s.d_k;
-  p.d_v = s.d_v;
-  p.scale = T(1) / std::sqrt(T(s.d_k));
-  if (s.fused) {
-    const Index n = s.nq;
-    const Index row = 2 * s.heads * s.d_k + s.heads * s.d_v;
-    t->qkv.resize(static_cast<std::size_t>(s.batch * n * row));
-    p.q = {t->qkv.data(), n * row, row, s.d_k};
-    p.k = {t->qkv.data() + s.heads * s.d_k, n * row, row, s.d_k};
-    p.v = {t->qkv.data() + 2 * s.heads * s.d_k, n * row, row, s.d_v};
-  } else {
-    const Index rq = s.heads * s.d_k + s.pad, rk = s.heads * s.d_k + s.pad, rv = s.heads * s.d_v + s.pad;
-    const Index nq_size = s.batch * s.nq * rq, nk_size = s.batch * s.nk * rk, nv_size = s.batch * s.nk * rv;
-    t->qkv.resize(static_cast<std::size_t>(nq_size + nk_size + nv_size + 1));
-    T* base = t->qkv.data();
-    p.q = {base, s.nq * rq, rq, s.d_k};
-    p.k = {base + nq_size, s.nk * rk, rk, s.d_k};
-    p.v = {base + nq_size + nk_size, s.nk * rv, rv, s.d_v};
-  }
-  // Fill every element (padding too: it must never matter).
-  for (std::size_t i = 0; i < t->qkv.size(); ++i)
-    t->qkv[i] = s.integer_values ? T(integer(gen)) : T(uniform(gen));
-  if (s.q_magnitude != 1.0) {
-    for (Index b = 0; b < s.batch; ++b)
-      for (Index i = 0; i < s.nq; ++i)
-        for (Index h = 0; h < s.heads; ++h) {
-          T* q = const_cast<T*>(p.q.row(b, h, i));
-          for (Index d = 0; d < s.d_k; ++d) q[d] *= T(s.q_magnitude);
-        }
-  }
-
-  const std::array<Index, 4> full{{s.batch, s.heads, s.nq, s.nk}};
-  if (s.has_mask) {
-    std::array<Index, 4> dims;
-    for (int i = 0; i < 4; ++i) dims[static_cast<std::size_t>(i)] = s.mask_full[static_cast<std::size_t>(i)] ? full[static_cast<std::size_t>(i)] : 1;
-    t->mask.resize(dims);
-    for (Index b = 0; b < dims[0]; ++b)
-      for (Index h = 0; h < dims[1]; ++h)
-        for (Index i = 0; i < dims[2]; ++i) {
-          const bool all = fully(gen);
-          for (Index j = 0; j < dims[3]; ++j) t->mask(b, h, i, j) = all || masked(gen);
-        }
-    p.mask = sdpa::make_broadcast_view<bool>(&t->mask, full, "tiled_test", "mask");
-  }
-  if (s.has_weights) {
-    std::array<Index, 4> dims;
-    for (int i = 0; i < 4; ++i) dims[static_cast<std::size_t>(i)] = s.weights_full[static_cast<std::size_t>(i)] ? full[static_cast<std::size_t>(i)] : 1;
-    t->weights.resize(dims);
-    std::uniform_real_distribution<double> w(0.25, 2.0);
-    for (Index i = 0; i < t->weights.size(); ++i) t->weights.data()[i] = s.integer_values ? T(1) : T(w(gen));
-    p.weights = sdpa::make_broadcast_view<T>(&t->weights, full, "tiled_test", "weights");
-  }
-  p.masked_rows = s.policy;
-  if (s.dropout > 0.0) {
-    p.dropout = true;
-    p.sampler = sdpa::DropoutSampler(s.seed * 7919u + 13u, 3, s.dropout);
-    p.keep_scale = s.dropout >= 1.0 ? T(0) : T(1.0 / (1.0 - s.dropout));
-  }
-  return t;
-}
+// The problems: tests/support/problem.hpp (q, k, v buffers, the options, an AttentionProblem over them).
+using sdpa_test::make_problem;
+using sdpa_test::Spec;
+using sdpa_test::TestProblem;
 
 template <typename T>
 std::vector<T> run_reference(TestProblem<T>& t, const Eigen::ThreadPoolDevice* device = nullptr) {
