@@ -8,6 +8,9 @@
 //   serve/packed_prefill     8 prompts of 64..1024 tokens packed in one causal forward (cu_seqlens)
 //   serve/separate_prefill   the 8 prompts as 8 causal forwards
 //   serve/padded_prefill     the 8 prompts padded to 1024 in one batch, key_lengths hiding the padding
+//   serve/merge/one_call     sdpa::attention of 1 x 4096 queries over 4096 keys (h 8, d 64)
+//   serve/merge/two_halves   the same as two calls over keys [0, 2048) and [2048, 4096), each returning its
+//                            log-sum-exp, and merge_attention_states of the two (issue 51: within 1.1x)
 //   serve_bench --fork_memory   16 forks of a 2000-token prompt each decoding 100 tokens: prints the
 //                            blocks used against the entries held and against 16 copies (JSON)
 #include <benchmark/benchmark.h>
@@ -160,6 +163,46 @@ int fork_memory() {
   return 0;
 }
 
+// q, k, v of (1, 8, 4096, 64), kBHND.
+struct MergeInputs {
+  using Tensor4 = Eigen::Tensor<float, 4, Eigen::RowMajor>;
+  Tensor4 q{1, 8, 4096, 64}, k{1, 8, 4096, 64}, v{1, 8, 4096, 64}, k0{1, 8, 2048, 64}, v0{1, 8, 2048, 64},
+      k1{1, 8, 2048, 64}, v1{1, 8, 2048, 64};
+  MergeInputs() {
+    sdpa::Philox gen(0x3e63, 1);
+    for (Tensor4* t : {&q, &k, &v}) sdpa::init::Uniform{-1.0, 1.0}(*t, gen);
+    const Eigen::array<Index, 4> half{{1, 8, 2048, 64}};
+    k0 = k.slice(Eigen::array<Index, 4>{{0, 0, 0, 0}}, half);
+    v0 = v.slice(Eigen::array<Index, 4>{{0, 0, 0, 0}}, half);
+    k1 = k.slice(Eigen::array<Index, 4>{{0, 0, 2048, 0}}, half);
+    v1 = v.slice(Eigen::array<Index, 4>{{0, 0, 2048, 0}}, half);
+  }
+};
+
+const MergeInputs& merge_inputs() {
+  static const MergeInputs m;
+  return m;
+}
+
+void merge_one_call(benchmark::State& state) {
+  const MergeInputs& m = merge_inputs();
+  for (auto _ : state) benchmark::DoNotOptimize(sdpa::attention(m.q, m.k, m.v).data());
+}
+
+void merge_two_halves(benchmark::State& state) {
+  const MergeInputs& m = merge_inputs();
+  for (auto _ : state) {
+    sdpa::AttentionPart<float> a, b;
+    sdpa::AttentionOptions<float> oa, ob;
+    oa.log_sum_exp = &a.lse;
+    ob.log_sum_exp = &b.lse;
+    a.out = sdpa::attention(m.q, m.k0, m.v0, oa);
+    b.out = sdpa::attention(m.q, m.k1, m.v1, ob);
+    sdpa::merge_attention_states(a.out, a.lse, b.out, b.lse);
+    benchmark::DoNotOptimize(a.out.data());
+  }
+}
+
 template <typename F>
 void add(const std::string& name, F f) {
   benchmark::RegisterBenchmark(name.c_str(), f)->UseRealTime()->Unit(benchmark::kMillisecond);
@@ -179,6 +222,8 @@ int main(int argc, char** argv) {
   add("serve/packed_prefill/threads:1", packed_prefill);
   add("serve/separate_prefill/threads:1", separate_prefill);
   add("serve/padded_prefill/threads:1", padded_prefill);
+  add("serve/merge/one_call/threads:1", merge_one_call);
+  add("serve/merge/two_halves/threads:1", merge_two_halves);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -201,6 +201,7 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
                               : std::array<Index, 4>{c.batch, c.nq, c.heads, c.d_v};
   Tensor4<Scalar> out(out_dims);
   if (options.probabilities != nullptr) options.probabilities->resize(c.batch, c.heads, c.nq, c.nk);
+  if (options.log_sum_exp != nullptr) options.log_sum_exp->resize(c.batch, c.heads, c.nq);
   // Rotary: rotated copies of q and k (positions q' = q + nk - nq and k).
   Tensor4<Scalar> q_rot, k_rot;
   const Scalar* qp = qi.data();
@@ -240,6 +241,8 @@ Tensor4<Scalar> attention_impl(const Input4<Scalar>& qi, const Input4<Scalar>& k
     run_packed(p, options.cu_seqlens_q, options.cu_seqlens_k, options.kernel, options.device);
   else if (c.batch * c.heads * c.nq > 0)
     run_attention(p, options.kernel, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), options.device);
+  if (state != nullptr && options.log_sum_exp != nullptr && !lse.empty())  // (the kernel wrote the state's copy)
+    std::copy(lse.begin(), lse.end(), options.log_sum_exp->data());
 
   if (state != nullptr) {
     AttentionState<Scalar>& s = *state;

@@ -1,8 +1,9 @@
 // The options of one attention call, as the forward, the cached decoding step, the backward pass and
 // sdpa::attention take them: tensors that mask, multiply or add to the scores (each dimension 1 or full,
 // broadcast without copies), the variants that need no tensor at all (causal, sliding windows, key
-// lengths, ALiBi, a scale, softcapping, sinks), where the probabilities go when a caller wants to see them,
-// and the thread pool. Also the masked-row policy, the kernel choice and the ALiBi paper's slopes.
+// lengths, ALiBi, a scale, softcapping, sinks), where the probabilities and each row's log-sum-exp go when
+// a caller wants to see them, and the thread pool. Also the masked-row policy, the kernel choice and the
+// ALiBi paper's slopes.
 #pragma once
 
 #include "sdpa/config.hpp"
@@ -63,6 +64,10 @@ struct AttentionOptions {
   Scalar softcap = Scalar(0);             // > 0: s = softcap * tanh(s / softcap) (Gemma 2)
   std::vector<Scalar> sinks;              // empty, or one logit per query head (gpt-oss)
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor>* probabilities = nullptr;  // set: resized to (b, h, nq, nk), filled
+  // Set: resized to (b, h, nq) and filled with each row's log-sum-exp, natural log, over its visible keys and
+  // its sink (FlashAttention's softmax_lse; -inf for a row that saw neither): what merge_attention_states
+  // (sdpa/merge.hpp) combines the outputs of disjoint key sets by.
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor>* log_sum_exp = nullptr;
   const Eigen::ThreadPoolDevice* device = nullptr;                    // nullptr: the calling thread
 
   // Packed variable-length sequences (FlashAttention's cu_seqlens): sequence s is query rows

@@ -18,6 +18,7 @@
 #include "sdpa/latent_attention.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
+#include "sdpa/merge.hpp"
 #include "sdpa/options.hpp"
 #include "sdpa/parallel.hpp"
 #include "sdpa/random.hpp"

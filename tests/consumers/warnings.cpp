@@ -141,6 +141,18 @@ int exercise() {
   for (const auto* t : {&o, &grads.q, &grads.k, &grads.v})
     for (Eigen::Index i = 0; i < t->size(); ++i) (void)t->data()[i];
 
+  // Partial attention and its merge.
+  sdpa::AttentionPart<Scalar> part_a, part_b;
+  sdpa::AttentionOptions<Scalar> with_lse = decoder;
+  with_lse.log_sum_exp = &part_a.lse;
+  part_a.out = sdpa::attention(q, k, v, with_lse);
+  with_lse.log_sum_exp = &part_b.lse;
+  with_lse.sinks.clear();
+  part_b.out = sdpa::attention(q, k, v, with_lse);
+  const sdpa::AttentionPart<Scalar> merged = sdpa::merge_attention_states(part_a, part_b);
+  sdpa::merge_attention_states(part_a.out, part_a.lse, part_b.out, part_b.lse, sdpa::MergeOptions{});
+  if (merged.lse.size() != part_a.lse.size()) return 1;
+
   // Programmable attention: built-in and lambda functions, a plan, a table's gradient.
   sdpa::flex::ScoreTable<Scalar> buckets(4, 8);
   const auto mask = sdpa::flex::and_masks(sdpa::flex::document({0, 0, 0, 1, 1, 1, 1, 2, 2}), sdpa::flex::causal{});

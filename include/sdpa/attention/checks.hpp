@@ -77,6 +77,7 @@ void check_packed(const CallShape& c, const AttentionOptions<Scalar>& o) {
                          : o.attention_bias != nullptr    ? "attention_bias"
                          : !o.key_lengths.empty()         ? "key_lengths"
                          : o.probabilities != nullptr     ? "probabilities"
+                         : o.log_sum_exp != nullptr       ? "log_sum_exp"
                                                           : nullptr;
   if (unpacked != nullptr)
     throw_invalid(where, unpacked, "unset with packed sequences (cu_seqlens: it has no packed form)", "set");

@@ -76,6 +76,7 @@ kernels::AttentionProblem<Scalar> problem_of(const CallShape& c, const Attention
   p.query_offset = query_offset;
   p.masked_rows = policy;
   p.probabilities = o.probabilities != nullptr ? o.probabilities->data() : nullptr;
+  p.lse = o.log_sum_exp != nullptr ? o.log_sum_exp->data() : nullptr;
   set_compute(p, o.compute);
   p.program = o.program.get();
   return p;

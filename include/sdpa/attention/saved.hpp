@@ -27,7 +27,7 @@ template <typename Scalar>
 struct SavedAttention {
   CallShape shape;
   std::vector<Scalar> lse;           // (batch, heads, nq)
-  AttentionOptions<Scalar> options;  // probabilities and rotary null (the rotary is the copy below)
+  AttentionOptions<Scalar> options;  // probabilities, log_sum_exp and rotary null (the rotary is the copy below)
   Rotary rotary;
   bool has_rotary = false;
   bool dropout = false;
@@ -39,6 +39,7 @@ struct SavedAttention {
   void keep_options(const AttentionOptions<Scalar>& o) {
     options = o;
     options.probabilities = nullptr;
+    options.log_sum_exp = nullptr;
     options.rotary = nullptr;
     has_rotary = o.rotary != nullptr;
     if (has_rotary) rotary = *o.rotary;

@@ -217,6 +217,8 @@ class HeadParallelAttention {
         [&] {
           if (options.probabilities != nullptr)
             detail::throw_invalid(where, "probabilities", "unset (each rank has only its own heads')", "set");
+          if (options.log_sum_exp != nullptr)
+            detail::throw_invalid(where, "log_sum_exp", "unset (each rank has only its own heads')", "set");
           const auto per_head = [&](const std::vector<Scalar>& v, const char* name) {
             if (!v.empty() && static_cast<Index>(v.size()) != h_)
               detail::throw_invalid(where, name, detail::concat("empty or one per query head of the whole module (", h_, ")"),

@@ -272,25 +272,10 @@ void ring_forward(const RingCall<Scalar>& call, const kernels::Heads<Scalar>& ou
       // Merge the block's normalized rows into the running ones by their log-sum-exp.
       for (Index b = 0; b < c.batch; ++b)
         for (Index h = 0; h < c.heads; ++h)
-          for (Index r = 0; r < qb.rows; ++r) {
-            const Scalar lb = part_lse[static_cast<std::size_t>((b * c.heads + h) * qb.rows + r)];
-            if (lb == kNegInf) continue;  // no visible key in this block
-            const Scalar* pr = p.out.row(b, h, r);
-            Scalar* orow = out.row(b, h, qb.local0 + r);
-            Scalar& la = lse[(b * c.heads + h) * c.nq + qb.local0 + r];
-            if (la == kNegInf) {
-              std::copy_n(pr, c.d_v, orow);
-              la = lb;
-            } else if (std::isnan(la) || std::isnan(lb)) {
-              std::fill_n(orow, c.d_v, std::numeric_limits<Scalar>::quiet_NaN());
-              la = std::numeric_limits<Scalar>::quiet_NaN();
-            } else {
-              const Wide mx = std::max<Wide>(la, lb), wa = std::exp(la - mx), wb = std::exp(lb - mx), sum = wa + wb;
-              const Scalar fa = static_cast<Scalar>(wa / sum), fb = static_cast<Scalar>(wb / sum);
-              for (Index d = 0; d < c.d_v; ++d) orow[d] = fa * orow[d] + fb * pr[d];
-              la = static_cast<Scalar>(mx + std::log(sum));
-            }
-          }
+          for (Index r = 0; r < qb.rows; ++r)
+            kernels::merge_normalized_row(out.row(b, h, qb.local0 + r), lse[(b * c.heads + h) * c.nq + qb.local0 + r],
+                                          p.out.row(b, h, r),
+                                          part_lse[static_cast<std::size_t>((b * c.heads + h) * qb.rows + r)], c.d_v);
     }
   }
   channel.finish();
@@ -504,6 +489,7 @@ void check_ring(const ::sdpa::detail::CallShape& local, const std::array<Index, 
                         : o.attention_weights != nullptr ? "attention_weights"
                         : o.attention_bias != nullptr    ? "attention_bias"
                         : o.probabilities != nullptr     ? "probabilities"
+                        : o.log_sum_exp != nullptr       ? "log_sum_exp"
                         : o.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
                                                          : nullptr;
   if (refused != nullptr) throw_invalid(where, refused, "unset in ring attention (it has no ring form)", "set");

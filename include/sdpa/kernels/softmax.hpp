@@ -142,6 +142,31 @@ struct SoftmaxRow {
   }
 };
 
+// Merges a row's attention over another, disjoint set of keys into this one by their log-sum-exps (the
+// outputs normalized, FlashAttention's split-KV combine, FlashInfer's merge_state): with m = max(lse,
+// part_lse), wa = exp(lse - m), wb = exp(part_lse - m), out = (wa out + wb part) / (wa + wb) and lse = m +
+// log(wa + wb), the exponent arithmetic in LseWide and the two factors rounded once. A part that saw no key
+// (lse -inf) changes nothing; onto a row that saw none, the part is copied; a NaN lse makes the row NaN.
+// The same operations in the same order wherever it runs (ring attention, sdpa::merge_attention_states).
+template <typename Scalar>
+void merge_normalized_row(Scalar* out, Scalar& lse, const Scalar* part, Scalar part_lse, Eigen::Index d) noexcept {
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  using Wide = LseWide<Scalar>;
+  if (part_lse == kNegInf) return;
+  if (lse == kNegInf) {
+    std::copy_n(part, d, out);
+    lse = part_lse;
+  } else if (std::isnan(lse) || std::isnan(part_lse)) {
+    std::fill_n(out, d, std::numeric_limits<Scalar>::quiet_NaN());
+    lse = std::numeric_limits<Scalar>::quiet_NaN();
+  } else {
+    const Wide mx = std::max<Wide>(lse, part_lse), wa = std::exp(lse - mx), wb = std::exp(part_lse - mx), sum = wa + wb;
+    const Scalar fa = static_cast<Scalar>(wa / sum), fb = static_cast<Scalar>(wb / sum);
+    for (Eigen::Index i = 0; i < d; ++i) out[i] = fa * out[i] + fb * part[i];
+    lse = static_cast<Scalar>(mx + std::log(sum));
+  }
+}
+
 // A row's attention output from its state and accumulator (the probabilities-times-v sum, not yet
 // divided): the masked-row policy when it saw no visible key and has no sink, zero when dropout removed
 // everything (p = 1), otherwise acc / sum (0 for a row with a sink and no visible key). Visible scores that

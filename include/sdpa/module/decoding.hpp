@@ -313,6 +313,7 @@ void ScaledDotProductAttention<Scalar>::attend_impl(const View& q, const KVCache
   if (!options.rotary_positions.empty())
     detail::throw_invalid(where, "rotary_positions", "empty for attend (step takes them with the tokens it appends)", "given");
   if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, cache.size());
+  if (options.log_sum_exp != nullptr) options.log_sum_exp->resize(batch, h_, nq);
   if (batch * nq == 0) return;
   detail::Buffer<Scalar> qbuf(static_cast<std::size_t>(batch * nq * hq));
   kernels::project_rows<Scalar>(q.data(), batch * nq, d_model_,
@@ -337,6 +338,7 @@ void ScaledDotProductAttention<Scalar>::step_impl(const View& x, KVCache<Scalar>
   check_decoding_options(cache, options, n, cache.size() + n, cache.position() + n, where);
   check_rotary_positions(where, options, batch, n);
   if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, n, cache.size() + n);
+  if (options.log_sum_exp != nullptr) options.log_sum_exp->resize(batch, h_, n);
   if (n == 0 || batch == 0) return;
   cache.make_room(n);
   detail::StepScratch<Scalar>& scratch = cache.step_scratch();
@@ -384,6 +386,7 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
                             : options.attention_bias != nullptr    ? "attention_bias"
                             : !options.key_lengths.empty()         ? "key_lengths"
                             : options.probabilities != nullptr     ? "probabilities"
+                            : options.log_sum_exp != nullptr       ? "log_sum_exp"
                             : options.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
                             : !options.rotary_positions.empty()    ? "rotary_positions"
                                                                    : nullptr;

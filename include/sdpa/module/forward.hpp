@@ -398,6 +398,7 @@ auto ScaledDotProductAttention<Scalar>::forward_impl(const View& qv, const View&
 
   // Checked: from here on nothing throws but an allocation failure.
   if (options.probabilities != nullptr) options.probabilities->resize(batch, h_, nq, nk);
+  if (options.log_sum_exp != nullptr) options.log_sum_exp->resize(batch, h_, nq);
   Tensor3 result(batch, nq, d_model_);
   detail::advise_huge_pages(result.data(), static_cast<std::size_t>(result.size()) * sizeof(Scalar));
   if (capture != nullptr) start_capture(*capture, qv, kv, vv, options);
@@ -434,6 +435,8 @@ auto ScaledDotProductAttention<Scalar>::forward_impl(const View& qv, const View&
     detail::run_packed(p, options.cu_seqlens_q, options.cu_seqlens_k, kernel_, device);
   else
     detail::run_attention(p, kernel_, static_cast<kernels::DecodeWorkspace<Scalar>*>(nullptr), device);
+  if (capture != nullptr && options.log_sum_exp != nullptr)  // (the kernel wrote the capture's copy)
+    std::copy(capture->saved_.lse.begin(), capture->saved_.lse.end(), options.log_sum_exp->data());
 
   // The output gate: fc_o reads att times it (kept apart from att when backward needs both).
   detail::Buffer<Scalar> gate, gated;
