@@ -29,7 +29,7 @@ enum class MaskedRows { kZero, kNaN };
 
 // Which attention kernel a call runs: kAuto is the tiled kernel, or the decoding kernel for a few queries
 // (16 or fewer); kTiled forces the tiled kernel (also for a decoding step); kReference is the plain path
-// the others are tested against (it holds a whole row of scores per query and is several times slower).
+// the others are tested against (it holds a whole row of scores per query and is much slower).
 enum class Kernel { kAuto, kTiled, kReference };
 
 // How sdpa::attention's head tensors are laid out: PyTorch's (batch, heads, seq, dim), as

@@ -176,7 +176,7 @@ class DropoutSampler {
   // The words of `blocks` consecutive blocks k4_begin, k4_begin + 1, ... of row (bh, q):
   // out[4 * i + j] = block(bh, q, k4_begin + i)[j], i.e. out[k - 4 * k4_begin] decides key k. On the AVX2
   // and AVX-512 paths 8 or 16 blocks go through the rounds at once (simd/dispatch.hpp; with AVX-512 the
-  // dropout mask of a tile costs about a tenth of asking block() per key group); the words are the same on
+  // dropout mask of a tile costs far less than asking block() per key group); the words are the same on
   // every path.
   void fill_bits(Isa isa, std::int64_t bh, std::int64_t q, std::int64_t k4_begin, std::int64_t blocks,
                  std::uint32_t* out) const noexcept {

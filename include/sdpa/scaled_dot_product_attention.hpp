@@ -260,8 +260,8 @@ class ScaledDotProductAttention {
   Scalar dropout() const noexcept { return dropout_; }
   void set_dropout(Scalar p) { dropout_ = checked_dropout(p); }
 
-  // forward keeps its scratch (the projected q/k/v and the attention output before fc_o, up to 160 MB for
-  // the demo's shapes) from one call to the next, so that later calls do not pay the page faults of fresh
+  // forward keeps its scratch (the projected q/k/v and the attention output before fc_o, sized by the
+  // call's shapes) from one call to the next, so that later calls do not pay the page faults of fresh
   // memory (detail/scratch_pool.hpp); scratch_bytes() is what is kept now, release_scratch() frees it.
   // Thread-safe: concurrent calls each take their own buffers.
   std::size_t scratch_bytes() const { return scratch_.bytes(); }

@@ -1,7 +1,7 @@
-// Scratch buffers for the projected q/k/v and the attention output. They are large (the demo's fused QKV
-// buffer is 120 MB) and live for one forward call, so first-touch page faults would cost as much as a
-// tenth of the call: on Linux, buffers of 2 MiB and more are aligned to 2 MiB and advised for transparent
-// huge pages, which cuts the faults 512-fold. Elsewhere they are plain aligned allocations.
+// Scratch buffers for the projected q/k/v and the attention output. They are large (they grow with the
+// batch and the sequence length) and live for one forward call, so first-touch page faults would be a
+// sizeable share of the call: on Linux, buffers of 2 MiB and more are aligned to 2 MiB and advised for
+// transparent huge pages, which cuts the faults 512-fold. Elsewhere they are plain aligned allocations.
 #pragma once
 
 #include "sdpa/config.hpp"

@@ -1,7 +1,7 @@
 // The scratch a module keeps from one call to the next: the projected q/k/v and the attention output
-// before fc_o. They are large (the demo's fused QKV buffer is 120 MB) and the kernel only writes them, but
-// a fresh allocation of that size is a fresh mapping whose pages the kernel zero-fills on first touch: 11%
-// of the demo's forward on this machine even on huge pages. A call takes the smallest kept buffer that is
+// before fc_o. They are large (they grow with the batch and the sequence length) and the kernel only writes
+// them, but a fresh allocation of that size is a fresh mapping whose pages the kernel zero-fills on first
+// touch, a cost huge pages reduce but do not remove. A call takes the smallest kept buffer that is
 // large enough and gives its buffers back when it is done; concurrent calls on one module each take their
 // own (a call that finds none allocates), so the pool only ever costs a short lock per buffer. It keeps at
 // most kSlots buffers, so what a module holds between calls is bounded by its few largest recent buffers;

@@ -1,5 +1,5 @@
 // Cache blocking of the GEMM's three outer loops, from the cache sizes Eigen reports (Eigen::l1CacheSize()
-// and friends; this machine: 48 KiB, 1 MiB, and an L3 figure that a VM may inflate). The loops follow
+// and friends; a VM may report an inflated L3 figure). The loops follow
 // BLIS's five-loop order with the roles of A and B as a row-major C wants them:
 //   kc  the A sliver (mr x kc) that a micro-kernel broadcasts from takes at most half of L1, so that it
 //       stays there while the B slivers of a whole block stream past it (the other half is for them);

@@ -23,7 +23,7 @@
 SDPA_NAMESPACE_BEGIN
 namespace gemm {
 
-// The blocking of kernel K for its Scalar on this machine (see blocking.hpp); computed once per kernel.
+// The blocking of kernel K for its Scalar on the machine it runs on (see blocking.hpp); computed once per kernel.
 template <typename K, typename Scalar>
 const Blocking& blocking_of() {
   static const Blocking b = detail::compute_blocking(K::mr, K::nr, static_cast<Eigen::Index>(sizeof(Scalar)),

@@ -90,8 +90,8 @@ struct Split {
 
 // How many work items to cut a product into for `workers` workers: at least one per worker, and none
 // beyond the cache blocks when the B blocks alone give that many. Not several per worker: an item cut from
-// rows packs its B block again, and the 2450 x 4096 x 512 fc_o on two workers, cut into four items per k
-// block, ran 7-9% slower than in two (more packing than uneven items cost). The micro-kernels
+// rows packs its B block again, and an output projection on two workers cut into four items per k block
+// ran slower than in two where measured (more packing than uneven items cost). The micro-kernels
 // round every element the same way in any tile, so the split cannot change their results; Eigen's
 // products can round differently for different shapes, so the portable kernel cuts every product the
 // same way whatever the number of workers.
@@ -183,7 +183,7 @@ void kernel_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, Matrix<const Sca
   const Index workers = std::min<Index>(worker_count(device), items);
   // One B block per worker, each starting on a cache line since the kernels load B with aligned loads: in
   // the caller's workspace, or one allocation for this call. sdpa::detail::Buffer puts blocks of 2 MiB and
-  // more on huge pages. A is read where it lies: packing it cost a projection 5-12% (a transposing copy
+  // more on huge pages. A is read where it lies: packing it slowed the projections (a transposing copy
   // of all of A per k block, and on two threads a barrier between the copy and the products) and bought
   // nothing, as the mr rows of a k block stay in L1 either way.
   constexpr Index line = 64 / static_cast<Index>(sizeof(Scalar));
@@ -238,9 +238,9 @@ void kernel_loops(Eigen::Index m, Eigen::Index k, Scalar alpha, Matrix<const Sca
     // Several k blocks and fewer than two items per worker, where a counter has nothing to balance (each
     // worker takes one item of each k block, or two against one): worker w owns items w, w + workers and
     // runs them k block by k block without meeting the others between k blocks. The workers still sweep
-    // the same block of A at about the same time, as above. On the 2450 x 4096 x 512 fc_o on two workers
-    // (two items, eight k blocks) this was faster than a parallel region per k block in each of 14
-    // alternated runs, by 4-6% in most (bench/RESULTS.md).
+    // the same block of A at about the same time, as above. With two items on two workers and several k
+    // blocks this was faster than a parallel region per k block in every alternated run measured
+    // (bench/RESULTS.md, "fc_o on two threads without a parallel region per k block").
     parallel_for(device, workers, 1, [&](Index w0, Index w1) {
       for (Index w = w0; w < w1; ++w) {
         for (Index p0 = 0; p0 < k; p0 += kc) {

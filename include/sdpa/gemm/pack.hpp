@@ -5,7 +5,7 @@
 // columns only produce values that are never stored.
 //   pack_rows: the sliver's W lines are rows of a row-major source src[count, depth] (A; B of gemm_nt,
 //              given as b[n, k]): a transpose. The vector version transposes width x width register
-//              blocks (16 x 16 floats with AVX-512): a scalar transpose took 6% of a projection's time.
+//              blocks (16 x 16 floats with AVX-512): a scalar transpose was a visible share of a projection.
 //   pack_cols: the sliver's W lines are columns of src[depth, count] (B of gemm_nn, given as b[k, n]):
 //              W contiguous values copied per step.
 // These are the portable versions; the AVX2 and AVX-512 kernels pack with register transposes

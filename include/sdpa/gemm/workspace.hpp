@@ -1,8 +1,8 @@
 // Scratch for the packed blocks of gemm_nt / gemm_nn / gemm_nt_bias, kept from one call to the next. Without
 // one, every call allocates its blocks (one allocation, 64-byte aligned, on huge pages from 2 MiB on) and
-// pays their first-touch page faults: 2-3% of a 2450 x 512 x 12288 projection on this machine, more for
-// smaller products. A caller that multiplies repeatedly (a layer's projections, a benchmark) keeps one
-// Workspace per thread that calls; it grows to the largest call and never shrinks.
+// pays their first-touch page faults, which weigh more the smaller the product. A caller that multiplies
+// repeatedly (a layer's projections, a benchmark) keeps one Workspace per thread that calls; it grows to
+// the largest call and never shrinks.
 #pragma once
 
 #include "sdpa/config.hpp"

@@ -194,9 +194,9 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
       // block of a paged cache, whose blocks are multiples of kRows rows). A hidden key adds nothing, not even
       // a NaN in its value: a row's product covers its visible segment only, and a mask's holes inside it go
       // one key at a time.
-      // (Float value rows are not prefetched: the hardware streams them, and on the Sapphire Rapids machine
-      // the prefetches only slowed the step down; bench/RESULTS.md. Stored ones are, on the paths whose
-      // kPrefetchStoredRows says so.)
+      // (Float value rows are not prefetched: the hardware streams them, and where measured the prefetches
+      // only slowed the step down; bench/RESULTS.md. Stored ones are, on the paths whose kPrefetchStoredRows
+      // says so.)
       // Stored values where every row sees the same solid segment of the chunk (no mask holes: the usual
       // step): a block's rows go to every head in one call per query (stored_value_sums_heads), each
       // head's sums as the per-head calls below would give them.

@@ -60,8 +60,8 @@ void gemm_nn_add(Isa isa, gemm::Shape s, gemm::Matrix<const Scalar> a, gemm::Mat
 // y[rows, out] = x[rows, in] * w[out, in]^T + b[out], for s = {rows, out, in}: sdpa::gemm's
 // register-blocked kernels of the path `isa` (Eigen's products on the portable path), split over the
 // device's threads by blocks of y, never of the sum, so any number of threads gives the same bits. The
-// packed blocks live in the calling thread's workspace (5 MB for the demo's shapes, kept between calls:
-// fresh ones cost their page faults on every call).
+// packed blocks live in the calling thread's workspace (kept between calls: fresh ones cost their page
+// faults on every call).
 template <typename Scalar>
 void gemm_bias_rows(gemm::Shape s, gemm::Matrix<const Scalar> x, const Scalar* w, const Scalar* b,
                     gemm::Matrix<Scalar> y, const Eigen::ThreadPoolDevice* device = nullptr, Isa isa = active_isa()) {

@@ -34,19 +34,19 @@ struct TileConfig {
   // that Eigen packs them in its stack buffers instead of allocating per tile, and groups hold at most 8
   // query blocks. Without it (sdpa::gemm's products) only the cache bounds hold, and groups reach 16.
   // block_k is the same either way: it fixes the order in which a row's softmax and output sum the keys.
-  // Sizes are powers of two, block_k in [16, 512], block_q in [16, 256]. (Measured on a 1 MiB L2, float,
-  // d = 64, with sdpa::gemm: 128 x 256 tiles in groups of 8 within noise (+-5%) of 128 x 512, 96 x 256 and
-  // 192 x 256; smaller tiles and groups were slower. On a 2 MiB L2, 1 x 4096, d = 64, where the stack
-  // bound held the tiles at 64 x 512 in groups of 8, the cache bounds alone, 128 x 512 in groups of 16,
-  // were faster: bench/RESULTS.md.)
+  // Sizes are powers of two, block_k in [16, 512], block_q in [16, 256]. (In the measurements behind the
+  // rule, float, d = 64, with sdpa::gemm: on a 1 MiB L2 its 128 x 256 tiles in groups of 8 were within noise
+  // of 128 x 512, 96 x 256 and 192 x 256, and smaller tiles and groups were slower; on a 2 MiB L2 the cache
+  // bounds alone (128 x 512 in groups of 16) were faster than the stack bound's 64 x 512 in groups of 8:
+  // bench/RESULTS.md.)
   static TileConfig for_caches(Eigen::Index scalar_bytes, Eigen::Index d_k, Eigen::Index d_v, Eigen::Index l2_bytes,
                                bool eigen_products = true) noexcept {
     scalar_bytes = std::max<Eigen::Index>(1, scalar_bytes);
     d_k = std::max<Eigen::Index>(1, d_k);
     d_v = std::max<Eigen::Index>(1, d_v);
-    // An L2 under 1 MiB is taken as 1 MiB: on a 512 KiB L2 (an AMD Zen 3 with a 32 MiB L3) the blocks of
-    // a 1 MiB one, whose k and v blocks and group spill to L3, were 5-8% faster than the blocks that fit
-    // (1 x 4096, d = 64, 1 and 2 threads; bench/RESULTS.md): fewer, longer products per packed operand.
+    // An L2 under 1 MiB is taken as 1 MiB: on a smaller L2 backed by a large L3, the blocks of a 1 MiB
+    // one, whose k and v blocks and group spill to L3, were faster than the blocks that fit in the
+    // measurements behind this rule (bench/RESULTS.md): fewer, longer products per packed operand.
     l2_bytes = std::max<Eigen::Index>(l2_bytes, Eigen::Index(1) << 20);
     const auto floor_pow2 = [](Eigen::Index x) {
       Eigen::Index p = 1;

@@ -443,7 +443,7 @@ TileConfig resolve_tile_config(const AttentionProblem<Scalar>& p, TileConfig con
   using Index = Eigen::Index;
   TileConfig derived = TileConfig::for_problem<Scalar>(p.d_k, p.d_v, /*eigen_products=*/!forward || p.isa == Isa::kPortable);
   // Causal query groups differ in cost (the later ones see more keys); groups of 16 blocks left two workers
-  // unevenly loaded (1 x 4096 on two threads slower than groups of 8; bench/RESULTS.md).
+  // unevenly loaded (slower than groups of 8 in the measurements behind this rule; bench/RESULTS.md).
   if (p.causal) derived.group = std::min<Index>(derived.group, 8);
   // A sliding window: each query block sees a band of window + block_q keys, and every key block it
   // touches is computed whole, so long key blocks would compute several times the band. Key blocks of a
@@ -456,7 +456,7 @@ TileConfig resolve_tile_config(const AttentionProblem<Scalar>& p, TileConfig con
   }
   // Keys that would make two blocks or fewer make one (while it stays within the operand bound of the
   // rule): a short sequence cut in two (49 keys at d_k 512 as 32 + 17) multiplied a ragged second block,
-  // folded every row twice and packed its queries for two uses; one block: the demo's core 10% faster.
+  // folded every row twice and packed its queries for two uses; as one block it ran faster.
   const Index max_block_k = TileConfig::max_block_k(static_cast<Index>(sizeof(Scalar)), p.d_k, p.d_v);
   if (p.nk <= 2 * derived.block_k && p.nk <= max_block_k) derived.block_k = std::max(derived.block_k, p.nk);
   TileConfig c;

@@ -412,8 +412,8 @@ inline void softcap_row(float* x, Eigen::Index n, float cap) noexcept {
   }
 }
 
-// Whether the row kernels over stored (narrow) keys and values prefetch the rows they read next: on the
-// AVX2 Zen 3, without it, the narrow kernels' arithmetic and memory time added up (bench/RESULTS.md).
+// Whether the row kernels over stored (narrow) keys and values prefetch the rows they read next: without
+// it, the narrow kernels' arithmetic and memory time added up where measured (bench/RESULTS.md).
 constexpr bool kPrefetchStoredRows = true;
 
 #include "sdpa/simd/generic_gemm.inc"

@@ -8,12 +8,12 @@
 // least 8 independent chains are needed, and 24 accumulators leave the loads and broadcasts room between
 // them, while 24 + 4 B vectors + 1 broadcast stay within the 32 zmm registers. The k loop reads 4 vectors
 // and 6 scalars per 24 FMAs (a 12 x 2 tile reads 2 and 12: 14 loads against 10, which held the products
-// at three quarters of the FMA peak on Sapphire Rapids); the 6 x kc A sliver stays in L1 while B slivers
-// stream from L2 (gemm/blocking.hpp). 64 columns also fit the tiled kernels' operands (d = 64, key blocks
-// of 256) without a ragged tile.
+// further from the FMA peak; bench/RESULTS.md, "A 6 x 64 register tile on AVX-512"); the 6 x kc A sliver
+// stays in L1 while B slivers stream from L2 (gemm/blocking.hpp). 64 columns also fit the tiled kernels'
+// operands (d = 64, key blocks of 256) without a ragged tile.
 //
 // Every loop over a fixed number of registers below is unrolled by pragma: at -O2 (how distributions build)
-// GCC otherwise kept sum_lanes' partial sums in a stack array, a fifth of a stored key's score.
+// GCC otherwise kept sum_lanes' partial sums in a stack array, slowing a stored key's score (bench/RESULTS.md).
 #pragma once
 
 #include "sdpa/config.hpp"
