@@ -163,7 +163,8 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
           lo = std::min(lo, segs[r].lo);
           hi = std::max(hi, segs[r].hi);
         }
-      const simd::Queries<Scalar> all_queries{p.q.row(b, 0, 0), p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k};
+      const simd::Queries<Scalar> all_queries{
+          p.q.row(b, 0, 0), p.q.head_stride, p.q.row_stride, p.heads, p.kv_group, p.nq, p.d_k};
       for (Index j = lo; j < hi;) {
         const Index run = p.run_of(k0 + j, hi - j);
         key_scores(p, b, Index{0}, k0 + j, run, all_queries, scores + j, kDecodeChunk);
@@ -211,11 +212,11 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
           // The next block's rows, where they follow in memory (the same block of a paged cache).
           const Index ahead = std::clamp<Index>(p.run_of(k0 + jlo, n - jlo) - (jhi - jlo), 0, kRows);
           for (Index q = 0; q < p.nq; ++q)
-            stored_value_sums_heads(p,
-                                    simd::HeadSums<Scalar>{ws.acc.data() + (item * p.heads * p.nq + q) * p.d_v, p.nq * p.d_v,
-                                                           scores + q * kDecodeChunk + jlo, p.nq * kDecodeChunk, p.heads,
-                                                           p.kv_group},
-                                    b, k0 + jlo, jhi - jlo, q == 0 ? ahead : Index{0});
+            stored_value_sums_heads(
+                p,
+                simd::HeadSums<Scalar>{ws.acc.data() + (item * p.heads * p.nq + q) * p.d_v, p.nq * p.d_v,
+                                       scores + q * kDecodeChunk + jlo, p.nq * kDecodeChunk, p.heads, p.kv_group},
+                b, k0 + jlo, jhi - jlo, q == 0 ? ahead : Index{0});
           continue;
         }
         Index prefetched = -1;  // the last value head whose next block was prefetched for this block
@@ -242,7 +243,8 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
                 stored_value_sums(p, av.data(), pr + jlo, b, g, k0 + jlo, jhi - jlo, ahead);
               } else {
                 for (Index j = jlo; j < jhi; ++j)
-                  if (!segment_hole(seg, visibility, b, h, q, k0, j)) stored_value_sums(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
+                  if (!segment_hole(seg, visibility, b, h, q, k0, j))
+                    stored_value_sums(p, av.data(), pr + j, b, h / p.kv_group, k0 + j, Index{1});
               }
             } else if (seg.solid) {
               simd::add_weighted_rows(p.isa, av.data(), p.d_v, pr + jlo, vb + (jlo - j0) * p.v.row_stride, p.v.row_stride, jhi - jlo);
@@ -296,8 +298,8 @@ void decode_attention_program(const AttentionProblem<Scalar>& p, const Program& 
           const Index lo = std::max<Index>(range.lo - k0, 0), hi = std::min(range.hi - k0, n);
           for (Index j = lo; j < hi;) {
             const Index run = p.run_of(k0 + j, hi - j);
-            key_scores(p, b, h / p.kv_group, k0 + j, run, simd::Queries<Scalar>{p.q.row(b, h, q), 0, 0, 1, 1, 1, p.d_k}, x + j,
-                       kDecodeChunk);
+            key_scores(p, b, h / p.kv_group, k0 + j, run, simd::Queries<Scalar>{p.q.row(b, h, q), 0, 0, 1, 1, 1, p.d_k},
+                       x + j, kDecodeChunk);
             j += run;
           }
           if constexpr (Program::kMask) {

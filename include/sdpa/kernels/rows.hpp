@@ -2,7 +2,7 @@
 // hands a kernel the rows of a problem as simd::Rows<T> (simd/rows.hpp), T the type they are stored as (the
 // compute type, or for a float problem a KVCache's bfloat16, float16 or int8 entries with their scales).
 // The row kernels take the view and widen narrow rows in registers as they load them (key_scores,
-// value_sums); the tiled kernel widens each key block of a head before it packs it (gather_kv, which also
+// stored_value_sums); the tiled kernel widens each key block of a head before it packs it (gather_kv, which also
 // gathers a paged cache's blocks). Nothing widens a whole cache, and every path computes with the same
 // widened values (int8: scale * q, rounded once), so the results are those of a float cache holding them,
 // but for the AVX2 / AVX-512 decoding kernel's int8 key scores, integer products against the query rounded
@@ -29,16 +29,20 @@ namespace kernels {
 // nothing for another storage).
 template <typename F>
 void with_stored_entries(Storage storage, const void* data, F&& f) {
-  if (storage == Storage::kBFloat16) f(static_cast<const BFloat16*>(data));
-  else if (storage == Storage::kFloat16) f(static_cast<const Float16*>(data));
-  else if (storage == Storage::kInt8) f(static_cast<const std::int8_t*>(data));
+  if (storage == Storage::kBFloat16)
+    f(static_cast<const BFloat16*>(data));
+  else if (storage == Storage::kFloat16)
+    f(static_cast<const Float16*>(data));
+  else if (storage == Storage::kInt8)
+    f(static_cast<const std::int8_t*>(data));
 }
 
 // Calls f once with the keys (values: the values) of batch entry b as a simd::Rows<T>: its row 0 is row i0,
 // its head 0 key head g0, T the type they are stored as. Paged rows are contiguous inside one block only:
 // the caller reads at most p.run_of(i0, ...) rows of the view.
 template <typename Scalar, typename F>
-void with_rows(const AttentionProblem<Scalar>& p, bool values, Eigen::Index b, Eigen::Index g0, Eigen::Index i0, F&& f) {
+void with_rows(const AttentionProblem<Scalar>& p, bool values, Eigen::Index b, Eigen::Index g0, Eigen::Index i0,
+               F&& f) {
   using Index = Eigen::Index;
   const Heads<const Scalar>& hd = values ? p.v : p.k;
   const Index row = p.row_of(b, i0);
@@ -106,11 +110,12 @@ void stored_value_sums(const AttentionProblem<Scalar>& p, Scalar* acc, const Sca
 // says (its heads and group those of the problem): each head gets the bits one stored_value_sums call gives
 // it; each value head's rows i0 + m .. i0 + m + ahead - 1 (in the same block) are prefetched once.
 template <typename Scalar>
-void stored_value_sums_heads(const AttentionProblem<Scalar>& p, const simd::HeadSums<Scalar>& sums, Eigen::Index b, Eigen::Index i0,
-                             Eigen::Index m, Eigen::Index ahead) noexcept {
+void stored_value_sums_heads(const AttentionProblem<Scalar>& p, const simd::HeadSums<Scalar>& sums, Eigen::Index b,
+                             Eigen::Index i0, Eigen::Index m, Eigen::Index ahead) noexcept {
   with_rows(p, /*values=*/true, b, Eigen::Index{0}, i0, [&](auto v) {
     using T = std::decay_t<decltype(*v.data)>;
-    if constexpr (!std::is_same<T, Scalar>::value) simd::add_weighted_rows_stored_heads(p.isa, sums, p.d_v, v, m, ahead);
+    if constexpr (!std::is_same<T, Scalar>::value)
+      simd::add_weighted_rows_stored_heads(p.isa, sums, p.d_v, v, m, ahead);
   });
 }
 

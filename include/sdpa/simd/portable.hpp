@@ -133,7 +133,8 @@ void softcap_row(Scalar* x, Eigen::Index n, Scalar cap) noexcept {
 
 // The decoding step's scores of a chunk of keys stored as Scalar (see generic_rows.inc's chunk_scores).
 template <typename Scalar>
-void native_chunk_scores(simd::Rows<Scalar> k, Eigen::Index n, simd::Queries<Scalar> q, simd::Scores<Scalar> s) noexcept {
+void native_chunk_scores(simd::Rows<Scalar> k, Eigen::Index n, simd::Queries<Scalar> q,
+                         simd::Scores<Scalar> s) noexcept {
   for (Eigen::Index j = 0; j < n; ++j)
     for (Eigen::Index h = 0; h < q.heads; ++h) {
       const Scalar* kr = k.data + j * k.row + (h / q.group) * k.head;
