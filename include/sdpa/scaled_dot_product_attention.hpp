@@ -27,13 +27,9 @@
 #include "sdpa/head_norm.hpp"
 #include "sdpa/error.hpp"
 #include "sdpa/init.hpp"
-#include "sdpa/kernels/backward.hpp"
-#include "sdpa/kernels/bf16_projection.hpp"
 #include "sdpa/kernels/decode.hpp"
 #include "sdpa/kernels/problem.hpp"
 #include "sdpa/kernels/projection.hpp"
-#include "sdpa/kernels/reference.hpp"
-#include "sdpa/kernels/tiled.hpp"
 #include "sdpa/linear.hpp"
 #include "sdpa/mask.hpp"
 #include "sdpa/options.hpp"
@@ -496,9 +492,3 @@ SDPA_NAMESPACE_END
 #include "sdpa/module/forward.hpp"
 #include "sdpa/module/training.hpp"
 #include "sdpa/module/decoding.hpp"
-
-
-
-
-
-

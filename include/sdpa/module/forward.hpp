@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "sdpa/kernels/bf16_projection.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
 
 SDPA_NAMESPACE_BEGIN

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "sdpa/kernels/backward.hpp"
+#include "sdpa/kernels/bf16_projection.hpp"
 #include "sdpa/scaled_dot_product_attention.hpp"
 
 SDPA_NAMESPACE_BEGIN
