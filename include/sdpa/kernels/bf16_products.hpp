@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "sdpa/compute.hpp"
+#include "sdpa/detail/buffer.hpp"
 #include "sdpa/kernels/tile_products.hpp"
 #include "sdpa/simd/bf16.hpp"
 #include "sdpa/simd/dispatch.hpp"
@@ -250,9 +251,10 @@ class Bf16TileProducts {
   Index dk_pad_ = 0, dv_pad_ = 0, rows_pad_ = 0, keys_pad_ = 0;
   std::vector<bool> q_ready_;
   // Hardware paths: the group's query blocks, the key and value blocks in pairs, one tile's p, the products.
-  std::vector<std::vector<BFloat16>> q_packed_;
-  std::vector<BFloat16> k_packed_, v_packed_, p_packed_;
-  std::vector<float> c_;
+  // (On cache lines: the tile loads and stores move 64-byte rows.)
+  std::vector<sdpa::detail::AlignedVector<BFloat16>> q_packed_;
+  sdpa::detail::AlignedVector<BFloat16> k_packed_, v_packed_, p_packed_;
+  sdpa::detail::AlignedVector<float> c_;
   bool values_finite_ = true;
   // The emulated path: the rounded operands and the float products that multiply them.
   std::unique_ptr<TileProducts<float>> emulated_;
@@ -332,7 +334,7 @@ class Bf16Gemm {
   };
 
   template <typename T>
-  static void grow(std::vector<T>& v, Index n) {
+  static void grow(sdpa::detail::AlignedVector<T>& v, Index n) {
     if (static_cast<Index>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
   }
 
@@ -377,8 +379,8 @@ class Bf16Gemm {
 #endif
 
   const Bf16Path path_;
-  std::vector<BFloat16> a_, b_;
-  std::vector<float> c_;
+  sdpa::detail::AlignedVector<BFloat16> a_, b_;  // on cache lines, as the tile loads want
+  sdpa::detail::AlignedVector<float> c_;
 };
 
 // The products of a tile in the problem's compute type: TileProducts (kFloat), or Bf16TileProducts (kBf16,

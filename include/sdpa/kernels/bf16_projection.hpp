@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "sdpa/compute.hpp"
+#include "sdpa/detail/buffer.hpp"
 #include "sdpa/kernels/bf16_products.hpp"
 #include "sdpa/kernels/projection.hpp"
 #include "sdpa/parallel.hpp"
@@ -66,8 +67,9 @@ inline void project_rows_bf16(const float* x, Eigen::Index rows, Eigen::Index in
   }
 #if SDPA_DISPATCH
   const Index in_pad = bf16::round_up(in, bf16::kStep);
-  std::vector<std::vector<BFloat16>> panels(count);
-  std::vector<std::vector<float>> biases(count);
+  // Tile operands on cache lines (detail::AlignedVector): the tile loads move 64-byte rows.
+  std::vector<sdpa::detail::AlignedVector<BFloat16>> panels(count);
+  std::vector<sdpa::detail::AlignedVector<float>> biases(count);
   Index widest = 0;
   {
     std::vector<float> wide;
@@ -90,8 +92,8 @@ inline void project_rows_bf16(const float* x, Eigen::Index rows, Eigen::Index in
   constexpr Index kRows = 32;
   const Index blocks = (rows + kRows - 1) / kRows;
   parallel_for(device, blocks, balanced_grain(device, blocks, 4), [&](Index b0, Index b1) {
-    std::vector<BFloat16> a(static_cast<std::size_t>(kRows * in_pad));
-    std::vector<float> c(static_cast<std::size_t>(kRows * widest));
+    sdpa::detail::AlignedVector<BFloat16> a(static_cast<std::size_t>(kRows * in_pad));
+    sdpa::detail::AlignedVector<float> c(static_cast<std::size_t>(kRows * widest));
     for (Index b = b0; b < b1; ++b) {
       const Index r0 = b * kRows, m = std::min(kRows, rows - r0);
       const Index m_tiles = (m + 15) / 16;
