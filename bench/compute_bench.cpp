@@ -10,6 +10,10 @@
 //   attention/N:4096/causal:C/compute:P/threads:T   sdpa::attention on (1, 8, 4096, 64) tensors
 //   backward/N:4096/compute:P/threads:T   sdpa::attention_backward of the (1, 8, 4096, 64) forward
 //   demo/compute:P/threads:T       the module's eval forward on the (50, 49, 512) demo, h 8, d_k 64
+//   floor/softmax/N:4096           the (1, 8, 4096, 64) forward's softmax alone, one thread: each of its
+//                                  8 x 4096 x 4096 scores through simd::row_max and simd::exp_shifted_sum
+//                                  (as SoftmaxRow::fold takes them without lag) on a row that stays in L1;
+//                                  the time no product, however fast, takes away from a forward
 // P is float (kFloat) or the kBf16 path (emulated, avx512_bf16, amx); FLOPS counts 4 h N^2 d for the
 // attention (half of it when causal), 10 h N^2 d for the backward and the demo's projections plus its core.
 #include <benchmark/benchmark.h>
@@ -110,6 +114,26 @@ void bf16_peak(benchmark::State& state, bool amx) {
   const double per_iteration = amx ? 4.0 * 16 * 16 * 32 * 2 : 16.0 * 16 * 2 * 2;
   state.counters["FLOPS"] =
       benchmark::Counter(per_iteration * kIterations, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// floor/softmax/N:4096 (see the header comment): rows of 512 scores, as many as the forward folds. Each pass
+// takes the exponentials of the last one's output (all finite, at most 1), which costs what scores do.
+void softmax_floor(benchmark::State& state) {
+  constexpr Index kRow = 512, kRows = Index(8) * 4096 * (4096 / kRow);
+  std::vector<float> row(static_cast<std::size_t>(kRow));
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  for (float& x : row) x = u(gen);
+  const sdpa::Isa isa = sdpa::active_isa();
+  for (auto _ : state) {
+    float total = 0.0f;
+    for (Index r = 0; r < kRows; ++r) {
+      const float m = sdpa::simd::row_max(isa, row.data(), kRow);
+      total += sdpa::simd::exp_shifted_sum(isa, row.data(), kRow, m);
+    }
+    benchmark::DoNotOptimize(total);
+  }
+  state.counters["exps"] = benchmark::Counter(static_cast<double>(kRow * kRows), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Sets the compute type and path a case runs ("float" = kFloat); false when this CPU lacks the path.
@@ -217,6 +241,7 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark("peak/int8/vpdpbusd", vnni_peak<true>)->UseRealTime()->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("peak/int16/vpdpwssd", vnni_peak<false>)->UseRealTime()->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("floor/softmax/N:4096", softmax_floor)->UseRealTime()->Unit(benchmark::kMillisecond);
   for (const std::string path : {"float", "emulated", "avx512_bf16", "amx"})
     for (int threads : {1, 2}) {
       for (bool causal : {false, true}) {

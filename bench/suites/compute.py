@@ -105,6 +105,23 @@ def render(data):
     lines += ["", "Ratios use the minima; \"best kBf16\" is the fastest bfloat16 path of the run (the one "
               "sdpa chooses by default on this CPU is the highest it runs: amx, then avx512_bf16)."]
 
+    # The softmax a forward cannot skip, against issue 49's AMX target (4x kFloat's speed).
+    floor = ours.get("floor/softmax/N:4096")
+    if floor:
+        lines += ["", "## The softmax floor, (1, 8, 4096, 64), 1 thread", "",
+                  "floor/softmax/N:4096: the forward's 8 x 4096 x 4096 scores through simd::row_max and "
+                  "simd::exp_shifted_sum alone, on a row in L1 (no product, no packing, no rounding).", "",
+                  f"- softmax alone: {floor[0]:.2f} / {floor[1]:.2f} ms"]
+        base = ours.get("attention/N:4096/causal:0/compute:float/threads:1")
+        amx = ours.get("attention/N:4096/causal:0/compute:amx/threads:1")
+        if base:
+            share = common.note(data, "softmax floor / (kFloat / 4)", floor[0] / (base[0] / 4))
+            lines.append(f"- the AMX target's time, kFloat / 4: {base[0] / 4:.2f} ms; the softmax alone takes "
+                         f"{100 * share:.0f}% of it")
+        if amx:
+            lines.append(f"- the amx forward: {amx[0]:.2f} ms, of which the softmax alone would be "
+                         f"{100 * floor[0] / amx[0]:.0f}%")
+
     def decode_case(kv, read):
         prefix = f"decode/{'read/' if read else ''}storage/kv:{kv}/weights:f32/cache:4095/batch:8/"
         return next((ours[k] for k in ours if k.startswith(prefix)), None)
