@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "support/problem.hpp"
+#include "support/reference.hpp"
 
 namespace decode_test {
 
@@ -62,16 +63,11 @@ Result run(TestProblem<T>& t, bool decode, const Eigen::ThreadPoolDevice* device
   return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
 }
 
-// Same NaN positions, the same infinities, elsewhere |got - want| <= tol * (1 + |want|).
+// decode_test's comparison: sdpa_test::close_elements over two result vectors.
 ::testing::AssertionResult close(const std::vector<double>& got, const std::vector<double>& want, double tol,
                                  const char* what) {
   if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(got[i]) != std::isnan(want[i]) || (std::isinf(want[i]) && got[i] != want[i]) ||
-        (std::isfinite(want[i]) && !(std::fabs(got[i] - want[i]) <= tol * (1 + std::fabs(want[i])))))
-      return ::testing::AssertionFailure() << what << " " << i << ": " << got[i] << " against " << want[i];
-  }
-  return ::testing::AssertionSuccess();
+  return sdpa_test::close_elements(got.data(), want.data(), got.size(), tol, what);
 }
 
 void expect_matches_double(const Spec& s) {

@@ -119,18 +119,12 @@ sdpa::AttentionOptions<T> options_of(const Problem<T>& p, const Mask* mask, bool
   return o;
 }
 
-// Same NaN positions, equal infinities, elsewhere within tol * (1 + |want|).
+// Same NaN positions, equal infinities, elsewhere within tol * (1 + |want|) (sdpa_test::close_elements).
 template <typename T, int N>
 ::testing::AssertionResult close(const Eigen::Tensor<T, N, Eigen::RowMajor>& got,
                                  const Eigen::Tensor<T, N, Eigen::RowMajor>& want, double tol) {
   if (got.size() != want.size()) return ::testing::AssertionFailure() << "sizes differ";
-  for (Index i = 0; i < got.size(); ++i) {
-    const double g = got.data()[i], w = want.data()[i];
-    if (std::isnan(g) != std::isnan(w) || (std::isinf(w) && g != w) ||
-        (std::isfinite(w) && !(std::fabs(g - w) <= tol * (1 + std::fabs(w)))))
-      return ::testing::AssertionFailure() << "element " << i << ": " << g << " against " << w;
-  }
-  return ::testing::AssertionSuccess();
+  return sdpa_test::close_elements(got.data(), want.data(), static_cast<std::size_t>(got.size()), tol);
 }
 
 template <typename T>

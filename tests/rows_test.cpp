@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "support/narrow.hpp"
 #include "support/reference.hpp"
 
 namespace rows_test {
@@ -25,13 +26,9 @@ using Index = Eigen::Index;
 using sdpa::Storage;
 using sdpa_test::Rng;
 
-constexpr Storage kNarrow[] = {Storage::kBFloat16, Storage::kFloat16, Storage::kInt8};
+constexpr const auto& kNarrow = sdpa_test::narrow::kStorages;
 
-std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
+using sdpa_test::bits_of;
 
 // The path under test (SDPA_ISA) widens every pattern as the scalar forms do, at every length and offset.
 TEST(StorageConversion, VectorWideningMatchesTheScalarForms) {

@@ -162,11 +162,7 @@ std::string one_entry(const std::string& entry_json, std::size_t data = 16) {
   return st_bytes("{\"fc_q.bias\":" + entry_json + "}", zeros(data));
 }
 
-std::uint32_t bits_of(float f) {
-  std::uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
+using sdpa_test::bits_of;
 
 // ------------------------------------------------------------------------------------------------
 // Round trips and layout.

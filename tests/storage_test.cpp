@@ -41,13 +41,10 @@ using sdpa_test::narrow::max_rel;
 using sdpa_test::narrow::random3;
 using sdpa_test::narrow::rounded;
 
-constexpr Storage kNarrow[] = {Storage::kBFloat16, Storage::kFloat16, Storage::kInt8};
+constexpr const auto& kNarrow = sdpa_test::narrow::kStorages;
 
-std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
+using sdpa_test::bits_of;
+
 float float_of(std::uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);

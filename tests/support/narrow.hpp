@@ -1,6 +1,7 @@
-// Helpers of the tests of narrow storage (storage_test.cpp, safetensors_test.cpp): small float modules with
-// weights of a given spread, random tensors, errors, and the entries a narrow cache should hold (the float
-// ones rounded to the storage and widened back, with sdpa/storage.hpp's scalar conversions).
+// Helpers of the tests of narrow storage (storage_test.cpp, rows_test.cpp, safetensors_test.cpp): the
+// types, small float modules with weights of a given spread, random tensors, errors, and the entries a
+// narrow cache should hold (the float ones rounded to the storage and widened back, with
+// sdpa/storage.hpp's scalar conversions).
 #pragma once
 
 #include "sdpa/kv_cache.hpp"
@@ -19,6 +20,9 @@ using Index = Eigen::Index;
 using Storage = sdpa::Storage;
 using Tensor3 = Eigen::Tensor<float, 3, Eigen::RowMajor>;
 using Module = sdpa::ScaledDotProductAttention<float>;
+
+// The narrow storage types, for tests that run each.
+constexpr Storage kStorages[] = {Storage::kBFloat16, Storage::kFloat16, Storage::kInt8};
 
 // weights ~ N(0, 1 / d_model), queries' weights times q_scale (peaked attention for q_scale >> 1).
 inline Module make_module(Rng& rng, Index d_model, Index d_k, Index h, Index kv_heads, double q_scale = 1.0) {

@@ -343,10 +343,32 @@ void randomize_module(Module& m, Rng& rng, double stddev = 0.3) {
 // ---- GoogleTest helpers shared by the test files ----
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <sstream>
 #include <typeinfo>
 
 namespace sdpa_test {
+
+// The bits of a float, for tests that expect the same bits.
+inline std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// Results computed in another order: the same NaN positions, equal infinities, elsewhere |got - want| <=
+// tol (1 + |want|), element by element over n (the first one off named, after `what`).
+template <typename G, typename W>
+::testing::AssertionResult close_elements(const G* got, const W* want, std::size_t n, double tol,
+                                          const char* what = "element") {
+  for (std::size_t i = 0; i < n; ++i) {
+    const double g = static_cast<double>(got[i]), w = static_cast<double>(want[i]);
+    if (std::isnan(g) != std::isnan(w) || (std::isinf(w) && g != w) ||
+        (std::isfinite(w) && !(std::fabs(g - w) <= tol * (1 + std::fabs(w)))))
+      return ::testing::AssertionFailure() << what << " " << i << ": " << g << " against " << w;
+  }
+  return ::testing::AssertionSuccess();
+}
 
 // Runs f and expects std::invalid_argument whose message contains every phrase.
 inline void expect_invalid(const std::function<void()>& f, const std::vector<std::string>& phrases) {
