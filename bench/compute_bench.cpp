@@ -133,7 +133,8 @@ void softmax_floor(benchmark::State& state) {
     }
     benchmark::DoNotOptimize(total);
   }
-  state.counters["exps"] = benchmark::Counter(static_cast<double>(kRow * kRows), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["exps"] =
+      benchmark::Counter(static_cast<double>(kRow * kRows), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Sets the compute type and path a case runs ("float" = kFloat); false when this CPU lacks the path.

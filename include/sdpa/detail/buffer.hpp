@@ -118,7 +118,7 @@ T* cache_line_start(std::vector<T>& buf) noexcept {
 
 // A std::vector allocator whose storage starts on a cache line (std::aligned_alloc, as Buffer): for operands
 // of AMX tile loads and stores, which move 16 rows of 64 bytes, where each row that straddles two cache lines
-// costs two accesses (the products ran at less than half their speed on std::vector's 16-byte alignment).
+// costs two accesses.
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
