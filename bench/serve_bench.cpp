@@ -11,6 +11,15 @@
 //   serve/merge/one_call     sdpa::attention of 1 x 4096 queries over 4096 keys (h 8, d 64)
 //   serve/merge/two_halves   the same as two calls over keys [0, 2048) and [2048, 4096), each returning its
 //                            log-sum-exp, and merge_attention_states of the two (issue 51: within 1.1x)
+//   serve/cascade/step       64 sequences forked from one 4096-token prefix, 64 own tokens each, one token
+//                            each per step (blocks of 64): the shared prefix attended once (issue 51)
+//   serve/cascade/ragged_step  the same step with PagedKVCache::set_cascade(false): the prefix read per
+//                            sequence
+//   serve/cascade/read/bytes:<B>  a sum over the cascade step's bytes (the prefix once, the 64 sequences'
+//                            own entries, the four weight matrices): its read bound
+//   serve/fma_peak/<isa>     independent float FMA chains (fma_peak.hpp): with the cascade step's FLOPs
+//                            (serve/cascade/step's counter), its compute floor
+//   (the cascade cases on 1 and 2 threads)
 //   serve_bench --fork_memory   16 forks of a 2000-token prompt each decoding 100 tokens: prints the
 //                            blocks used against the entries held and against 16 copies (JSON)
 #include <benchmark/benchmark.h>
@@ -22,6 +31,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "fma_peak.hpp"
 
 namespace sdpa_bench {
 namespace {
@@ -145,6 +155,50 @@ void padded_prefill(benchmark::State& state) {
   }
 }
 
+// 64 forks of a 4096-token prefix with 64 own tokens each, in one pool; each case sets the cascade.
+constexpr Index kPrefix = 4096, kForks = 64, kOwn = 64;
+
+struct Forks {
+  Paged paged{model().module, 64, 200};
+  std::vector<Paged::SequenceId> ids;
+  Tensor3 x = model().tokens(kForks, 1, 98);
+  Forks() {
+    const Model& m = model();
+    const Paged::SequenceId root = paged.add_sequence();
+    (void)m.module.step(m.tokens(1, kPrefix, 3), paged, {root});
+    for (Index i = 0; i < kForks; ++i) ids.push_back(paged.fork(root));
+    paged.remove_sequence(root);
+    (void)m.module.step(m.tokens(kForks, kOwn, 4), paged, ids);
+  }
+};
+
+Forks& forks() {
+  static Forks f;
+  return f;
+}
+
+double cascade_bytes() { return 4.0 * ((kPrefix + kForks * kOwn) * 2.0 * 512.0 + 4.0 * 512.0 * 512.0); }
+// The cascade step's useful FLOPs: the prefix's scores and p v for 64 x 8 query rows, each sequence's own
+// 65 entries likewise, the four projections of 64 rows.
+double cascade_flops() {
+  return 4.0 * kForks * 8 * 64 * (kPrefix + kOwn + 1) + 4.0 * 2.0 * kForks * 512.0 * 512.0;
+}
+
+void cascade_step(benchmark::State& state, bool cascade, int threads) {
+  Forks& f = forks();
+  f.paged.set_cascade(cascade);
+  sdpa::AttentionOptions<float> o;
+  o.device = device_for(threads);
+  for (auto _ : state) {
+    Tensor3 y = model().module.step(f.x, f.paged, f.ids, o);
+    benchmark::DoNotOptimize(y.data());
+    for (auto id : f.ids) f.paged.truncate(id, kPrefix + kOwn);
+  }
+  f.paged.set_cascade(true);
+  state.counters["bytes"] = cascade_bytes();
+  state.counters["flops"] = cascade_flops();
+}
+
 int fork_memory() {
   const Model& m = model();
   Paged paged(m.module, 16, 400);
@@ -224,6 +278,18 @@ int main(int argc, char** argv) {
   add("serve/padded_prefill/threads:1", padded_prefill);
   add("serve/merge/one_call/threads:1", merge_one_call);
   add("serve/merge/two_halves/threads:1", merge_two_halves);
+  for (int threads : {1, 2}) {
+    const std::string t = "/threads:" + std::to_string(threads);
+    add("serve/cascade/step" + t, [threads](benchmark::State& s) { cascade_step(s, true, threads); });
+    add("serve/cascade/ragged_step" + t, [threads](benchmark::State& s) { cascade_step(s, false, threads); });
+    benchmark::RegisterBenchmark((std::string("serve/fma_peak/") + kPeakIsa).c_str(), fma_peak)
+        ->Threads(threads)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  const double shared_bytes = cascade_bytes();
+  add("serve/cascade/read/bytes:" + std::to_string(static_cast<long long>(shared_bytes)) + "/threads:1",
+      [shared_bytes](benchmark::State& s) { read_bound(s, shared_bytes); });
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

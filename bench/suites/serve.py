@@ -8,6 +8,7 @@ h 8, d_k 64, float, 1 thread) in rounds, each round one run of every case, min /
 """
 
 import json
+import statistics
 import os
 import subprocess
 
@@ -28,7 +29,7 @@ def measure(args):
     if args.build:
         common.build_benchmarks(ROOT, build, ["serve_bench"])
     exe = os.path.join(build, "bench", "serve_bench")
-    times = {}
+    times, gflops = {}, {}
     for r in range(args.rounds):
         out = os.path.join(build, f"serve_round{r}.json")
         common.run([exe, "--benchmark_repetitions=1", "--benchmark_min_time=0.5", f"--benchmark_out={out}",
@@ -38,10 +39,19 @@ def measure(args):
             key = name.replace("/real_time", "").replace("/threads:1", "")
             if key.startswith("serve/read/"):
                 key = "serve/read"
+            if key.startswith("serve/cascade/read/"):
+                key = "serve/cascade/read"
+            if key.startswith("serve/fma_peak/"):
+                gflops.setdefault(key, []).extend(b["GFLOPs"] for b in records)
+                continue
             times.setdefault(key, []).extend(common.ms(b) for b in records)
     memory = json.loads([line for line in common.run([exe, "--fork_memory"], capture_output=True, text=True).stdout.splitlines()
                          if line.startswith("{")][0])
-    return {"rounds": args.rounds, "cases": {k: common.case(v) for k, v in times.items()}, "fork_memory": memory}
+    cases = {k: common.case(v) for k, v in times.items()}
+    for k, v in gflops.items():
+        cases[k] = common.case([1.0 / g for g in v], gflops=v)  # (a time per GFLOP, so min / median order)
+    return {"rounds": args.rounds, "cases": cases, "fork_memory": memory,
+            "cascade_flops": 4.0 * 64 * 8 * 64 * (4096 + 64 + 1) + 4.0 * 2.0 * 64 * 512 * 512}
 
 
 def render(data):
@@ -60,10 +70,24 @@ def render(data):
         "serve/padded_prefill": "the 8 prompts padded to 1024 in one batch, key_lengths hiding the padding",
         "serve/merge/one_call": "sdpa::attention, 1 x 4096 queries over 4096 keys (h 8, d 64)",
         "serve/merge/two_halves": "the same as two calls over 2048 keys each with their log-sum-exp, merged",
+        "serve/cascade/step": "64 sequences forked from a 4096-token prefix, 64 own tokens each, one token each: "
+                              "the prefix attended once (cascade)",
+        "serve/cascade/ragged_step": "the same step with set_cascade(false): the prefix read once per sequence",
+        "serve/cascade/step/threads:2": "the cascade step on 2 threads",
+        "serve/cascade/ragged_step/threads:2": "the per-sequence step on 2 threads",
+        "serve/cascade/read": "a sum over the cascade step's bytes (the prefix once, the own entries, four weight "
+                              "matrices): its read bound",
     }
     for key, text in what.items():
         if key in med:
             L.append(f"| {key} | {lo[key]:.3f} / {med[key]:.3f} | {text} |")
+    peaks = {k: v for k, v in data["cases"].items() if k.startswith("serve/fma_peak/")}
+    floor = {}
+    for key, rec in sorted(peaks.items()):
+        g = statistics.median(rec["gflops"])
+        floor[key] = data["cascade_flops"] / g / 1e6
+        L.append(f"| {key} | {g:.1f} GFLOP/s (median) | float FMA peak; the cascade step's "
+                 f"{data['cascade_flops'] / 1e6:.0f} MFLOP take {floor[key]:.3f} ms at it |")
     L += ["", f"Forks (`serve_bench --fork_memory`): 16 forks of a 2000-token prompt, each decoding 100 tokens, in blocks "
           f"of {memory['block_size']}: {memory['blocks_used']} blocks, {memory['bytes']} bytes, {memory['ratio']:.3f}x the "
           f"bytes of one prompt and the 16 continuations (16 copies of the prompt: {memory['copies_ratio']:.2f}x)."]
@@ -79,6 +103,13 @@ def render(data):
     if "serve/merge/two_halves" in med:
         checks.append(("issue 51: two halves merged / one call over all keys",
                        r("serve/merge/two_halves", "serve/merge/one_call"), 1.1))
+    if "serve/cascade/step" in med:
+        checks += [("issue 51: cascade step / per-sequence ragged step (1 thread; >= 4x faster)",
+                    r("serve/cascade/step", "serve/cascade/ragged_step"), 0.25),
+                   ("issue 51: cascade step / per-sequence ragged step (2 threads)",
+                    r("serve/cascade/step/threads:2", "serve/cascade/ragged_step/threads:2"), 0.25),
+                   ("issue 51: cascade step / its read bound, prefix counted once (1 thread)",
+                    r("serve/cascade/step", "serve/cascade/read"), 1.5)]
     L += ["", "| target (issue 25, medians) | measured | required | |", "|---|---|---|---|"]
     for text, value, bound in checks:
         common.note(data, text, value)

@@ -240,6 +240,59 @@ class PagedKVCache {
     return r;
   }
 
+  // ---- Cascade: blocks several sequences of a step share ----
+
+  // A run of blocks that two or more sequences of a step hold (through fork): entries
+  // first_block * block_size() .. (first_block + blocks) * block_size() - 1 of each member, full blocks, the
+  // same physical blocks in every member's table at the same index (so at the same positions).
+  struct SharedBlocks {
+    std::vector<Index> members;  // indices into the step's sequence ids, ascending
+    Index first_block = 0, blocks = 0;
+  };
+
+  // The shared runs of the sequences `ids` as a tree of levels from the front of their tables: the
+  // members of a run hold the same blocks from block 0 up to its end (a system prompt shared by all, then
+  // a document shared by some); a run's members split into the runs below it where their blocks differ.
+  // Only full blocks (those before each member's last entry's block, or full) are shared; a block shared
+  // only with sequences outside `ids` is not. Runs come parents first, in the order of their first blocks.
+  std::vector<SharedBlocks> shared_blocks(const std::vector<SequenceId>& ids) const {
+    std::vector<const Sequence*> seqs;
+    for (SequenceId id : ids) seqs.push_back(&find("PagedKVCache::shared_blocks", id));
+    const auto full_blocks = [&](Index i) { return seqs[static_cast<std::size_t>(i)]->size / block_size_; };
+    const auto block = [&](Index i, Index j) { return seqs[static_cast<std::size_t>(i)]->blocks[static_cast<std::size_t>(j)]; };
+    std::vector<SharedBlocks> runs;
+    // (members, depth): members hold the same blocks before depth.
+    std::vector<std::pair<std::vector<Index>, Index>> todo;
+    std::vector<Index> all(ids.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<Index>(i);
+    todo.emplace_back(std::move(all), 0);
+    while (!todo.empty()) {
+      auto [members, depth] = std::move(todo.back());
+      todo.pop_back();
+      std::map<Index, std::vector<Index>> groups;  // by the block at depth: ordered, so runs come out the same
+      for (Index i : members)
+        if (full_blocks(i) > depth) groups[block(i, depth)].push_back(i);
+      std::vector<std::pair<std::vector<Index>, Index>> below;
+      for (auto& g : groups) {
+        std::vector<Index>& group = g.second;
+        if (group.size() < 2) continue;
+        Index end = depth + 1;
+        while (std::all_of(group.begin(), group.end(),
+                           [&](Index i) { return full_blocks(i) > end && block(i, end) == block(group[0], end); }))
+          ++end;
+        runs.push_back(SharedBlocks{group, depth, end - depth});
+        below.emplace_back(std::move(group), end);
+      }
+      for (auto it = below.rbegin(); it != below.rend(); ++it) todo.push_back(std::move(*it));
+    }
+    return runs;
+  }
+
+  // Whether a step attends the blocks its sequences share once for all of them (the default; the module's
+  // step, sdpa/module/decoding.hpp) or reads them once per sequence as each sequence alone would.
+  void set_cascade(bool on) noexcept { cascade_ = on; }
+  bool cascade() const noexcept { return cascade_; }
+
   // The steps' scratch (sdpa/cache/step_scratch.hpp).
   detail::StepScratch<Scalar>& step_scratch() noexcept { return scratch_; }
 
@@ -336,6 +389,7 @@ class PagedKVCache {
   std::vector<Index> free_;   // blocks no sequence holds
   std::map<SequenceId, Sequence> sequences_;
   SequenceId next_id_ = 0;
+  bool cascade_ = true;
   // A step's scratch, kept between steps.
   detail::StepScratch<Scalar> scratch_;
 };

@@ -104,6 +104,9 @@ struct AttentionProblem {
   const Index* key_lengths = nullptr;  // one per batch entry, or none
   Index query_offset = 0;
   const Index* query_offsets = nullptr;  // one per batch entry instead (a ragged batch of cached sequences)
+  // Or each query's own position among the keys, at [b * nq + q] (queries of several sequences stacked
+  // over the blocks they share: a cascade level of a PagedKVCache step; a draft tree's depths).
+  const Index* query_positions = nullptr;
   MaskedRows masked_rows = MaskedRows::kZero;
   // The checked call's score program (sdpa/flex/score_program.hpp), or none: the entry points hand the
   // problem to it, and it runs the kernels instantiated for its functions (kernels/program.hpp). Those are
@@ -152,7 +155,9 @@ struct AttentionProblem {
     return block_tables != nullptr ? std::min(n, block_rows - i % block_rows) : n;
   }
   Index offset(Index b) const noexcept { return query_offsets != nullptr ? query_offsets[b] : query_offset; }
-  Index position(Index b, Index query) const noexcept { return query + offset(b); }
+  Index position(Index b, Index query) const noexcept {
+    return query_positions != nullptr ? query_positions[b * nq + query] : query + offset(b);
+  }
   Index base(Index b) const noexcept { return key_bases != nullptr ? key_bases[b] : key_base; }
   const Scalar* key_row(Index b, Index h, Index i) const noexcept { return k.row(b, h / kv_group, row_of(b, i)); }
   const Scalar* value_row(Index b, Index h, Index i) const noexcept { return v.row(b, h / kv_group, row_of(b, i)); }

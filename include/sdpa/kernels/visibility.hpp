@@ -121,7 +121,7 @@ class Visibility {
     const Index nk = p_.nk, pos = p_.position(b, q);
     Index lo = 0, hi = nk;
     // Windows wider than every distance behave as none (and cannot overflow the sums).
-    const Index reach = nk + std::max<Index>(p_.nq, 0) + std::abs(p_.offset(b));
+    const Index reach = nk + std::max<Index>(p_.nq, 0) + std::abs(p_.offset(b)) + std::abs(pos);
     if (p_.causal) hi = std::min(hi, pos + 1);
     if (p_.window_right >= 0) hi = std::min(hi, pos + std::min(p_.window_right, reach) + 1);
     if (p_.window_left >= 0) lo = std::max(lo, pos - std::min(p_.window_left, reach));

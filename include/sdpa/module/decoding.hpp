@@ -21,6 +21,101 @@
 
 SDPA_NAMESPACE_BEGIN
 
+namespace detail {
+
+// The ragged problem's per-sequence tables (its block tables, key lengths, query offsets and key bases, and
+// each sequence's first held position), which attend_cascade narrows to each sequence's own blocks.
+struct RaggedTables {
+  std::vector<const Eigen::Index*>& tables;
+  std::vector<Eigen::Index>& lengths;
+  std::vector<Eigen::Index>& offsets;
+  std::vector<Eigen::Index>& bases;
+  const std::vector<Eigen::Index>& first;
+};
+
+// A PagedKVCache step whose sequences share blocks: p is the ragged problem of the step (each sequence's
+// new queries over all its entries). Each shared run (PagedKVCache::shared_blocks) is attended by the
+// stacked queries of its members in one call (a GEMM of members x tokens queries, the run's blocks read
+// once), each sequence by its own remaining blocks in the ragged call, every call with its rows'
+// log-sum-exps, and the parts are merged into p.out row by row (kernels::merge_normalized_row). Every shared
+// key precedes every query of the step (a step's new entries are in blocks of their sequence's own), so a
+// run's call is not causal; its queries keep their positions (windows, ALiBi). Sinks go with the own
+// call only. Equal to the ragged call to float rounding: the summation order changes, not the terms.
+template <typename Scalar, typename Run>
+void attend_cascade(kernels::AttentionProblem<Scalar>& p, const std::vector<Run>& runs, const RaggedTables& r,
+                    Eigen::Index block_rows, Kernel kernel, StepScratch<Scalar>& scratch,
+                    const Eigen::ThreadPoolDevice* device) {
+  using Index = Eigen::Index;
+  const Index n_seq = p.batch, t = p.nq, heads = p.heads, hq = heads * p.d_k, ha = heads * p.d_v;
+  // Each sequence's blocks before the end of its deepest run are attended by the runs.
+  std::vector<Index> covered(static_cast<std::size_t>(n_seq), 0);
+  Index widest = 0;
+  for (const Run& run : runs) {
+    widest = std::max(widest, static_cast<Index>(run.members.size()));
+    for (Index i : run.members)
+      covered[static_cast<std::size_t>(i)] = std::max(covered[static_cast<std::size_t>(i)], run.first_block + run.blocks);
+  }
+  const std::vector<const Index*> tables = r.tables;  // (whole)
+  Index nk = 0;
+  for (std::size_t i = 0; i < covered.size(); ++i) {
+    const Index skip = covered[i] * block_rows;
+    r.tables[i] += covered[i];
+    r.lengths[i] -= skip;
+    r.offsets[i] -= skip;
+    r.bases[i] += skip;
+    nk = std::max(nk, r.lengths[i]);
+  }
+  const Index rows = widest * t;
+  Scalar* own_lse = scratch.parts.reset_at_least(static_cast<std::size_t>(n_seq * t * heads + rows * (hq + ha + heads)));
+  Scalar* qs = own_lse + n_seq * t * heads;
+  Scalar* out = qs + rows * hq;
+  Scalar* lse = out + rows * ha;
+  if (static_cast<Index>(scratch.positions.size()) < rows) scratch.positions.resize(static_cast<std::size_t>(rows));
+  p.nk = nk;
+  p.key_lengths = r.lengths.data();
+  p.lse = own_lse;
+  run_attention(p, kernel, &scratch.decode, device);
+
+  for (const Run& run : runs) {
+    const Index m = static_cast<Index>(run.members.size()), skip = run.first_block * block_rows;
+    const std::size_t lead = static_cast<std::size_t>(run.members[0]);
+    const Index* table = tables[lead] + run.first_block;
+    for (Index mi = 0; mi < m; ++mi) {
+      const std::size_t i = static_cast<std::size_t>(run.members[static_cast<std::size_t>(mi)]);
+      std::copy_n(p.q.data + static_cast<Index>(i) * t * hq, t * hq, qs + mi * t * hq);
+      // The member's queries among the run's keys (its entries from the run's first on).
+      for (Index u = 0; u < t; ++u)
+        scratch.positions[static_cast<std::size_t>(mi * t + u)] = r.offsets[i] + covered[i] * block_rows - skip + u;
+    }
+    kernels::AttentionProblem<Scalar> s = p;
+    s.batch = 1;
+    s.nq = m * t;
+    s.nk = run.blocks * block_rows;
+    s.q = {qs, 0, hq, p.d_k};
+    s.out = {out, 0, ha, p.d_v};
+    s.lse = lse;
+    s.block_tables = &table;
+    s.key_lengths = nullptr;
+    s.query_offsets = nullptr;
+    s.query_positions = scratch.positions.data();
+    s.key_bases = nullptr;
+    s.key_base = r.first[lead] + skip;
+    s.causal = false;
+    s.sinks = nullptr;
+    s.masked_rows = MaskedRows::kZero;
+    run_attention(s, kernel, &scratch.decode, device);
+    for (Index mi = 0; mi < m; ++mi) {
+      const Index i = run.members[static_cast<std::size_t>(mi)];
+      for (Index h = 0; h < heads; ++h)
+        for (Index u = 0; u < t; ++u)
+          kernels::merge_normalized_row(p.out.data + (i * t + u) * ha + h * p.d_v, own_lse[(i * heads + h) * t + u],
+                                        out + (mi * t + u) * ha + h * p.d_v, lse[h * m * t + mi * t + u], p.d_v);
+    }
+  }
+}
+
+}  // namespace detail
+
 template <typename Scalar>
 template <typename K, typename V>
 void ScaledDotProductAttention<Scalar>::append(const K& keys, const V& values, KVCache<Scalar>& cache,
@@ -445,7 +540,19 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
   Scalar* att = scratch.attention.reset_at_least(static_cast<std::size_t>(rows * ha * (gated_ ? 2 : 1)));
   p.out = {att, t * ha, ha, d_v_};
   draw_dropout(p);
-  detail::run_attention(p, kernel_, &scratch.decode, options.device);
+  // Blocks that several of the sequences share (forks of one prompt) are attended once for all of them
+  // (detail::attend_cascade); a score program asks per batch entry and a dropout draw is per sequence, so
+  // those steps read every sequence's blocks as it alone would.
+  std::vector<typename PagedKVCache<Scalar>::SharedBlocks> shared;
+  if (cache.cascade() && !p.dropout && options.program == nullptr) shared = cache.shared_blocks(ids);
+  if (shared.empty()) {
+    detail::run_attention(p, kernel_, &scratch.decode, options.device);
+  } else {
+    std::vector<Index> first(static_cast<std::size_t>(n_seq));
+    for (Index i = 0; i < n_seq; ++i) first[static_cast<std::size_t>(i)] = cache.first_position(ids[static_cast<std::size_t>(i)]);
+    detail::attend_cascade(p, shared, {tables, lengths, offsets, bases, first}, cache.block_size(), kernel_, scratch,
+                           options.device);
+  }
   apply_gate(x.data(), rows, att, att + rows * ha, options.device);
   if (t <= kernels::kFewRows) {
     const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
