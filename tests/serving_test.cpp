@@ -179,3 +179,215 @@ TEST(Cascade, DoubleEqualsThePerSequenceStep) {
 }
 
 }  // namespace serving_test
+
+namespace serving_test {
+
+using Tensor3 = Eigen::Tensor<float, 3, Eigen::RowMajor>;
+using Module = sdpa::ScaledDotProductAttention<float>;
+
+// Rows [j, j + 1) of batch entry b of x.
+Tensor3 token(const Tensor3& x, Index b, Index j) {
+  Tensor3 t(1, 1, x.dimension(2));
+  std::copy_n(x.data() + (b * x.dimension(1) + j) * x.dimension(2), x.dimension(2), t.data());
+  return t;
+}
+
+// The drafts from under the sequence to j, in order.
+std::vector<Index> path_to(const std::vector<Index>& parents, Index j) {
+  std::vector<Index> path;
+  for (; j >= 0; j = parents[static_cast<std::size_t>(j)]) path.insert(path.begin(), j);
+  return path;
+}
+
+double max_abs(const Tensor3& a, Index ai, const Tensor3& b, Index bi, Index n) {
+  double d = 0;
+  for (Index c = 0; c < n; ++c) d = std::max(d, std::fabs(static_cast<double>(a.data()[ai * n + c]) - b.data()[bi * n + c]));
+  return d;
+}
+
+// A random tree of n drafts (each under -1 or an earlier one).
+std::vector<Index> random_tree(Rng& rng, Index n) {
+  std::vector<Index> parents;
+  for (Index j = 0; j < n; ++j) parents.push_back(static_cast<Index>(std::floor(rng.uniform(-1, static_cast<double>(j)))));
+  return parents;
+}
+
+struct TreeCase {
+  Storage storage;
+  std::vector<Index> parents;
+  Index prompt;
+  sdpa::AttentionOptions<float> options;
+};
+
+// A tree step on a KVCache of one sequence: draft j's output equals that of decoding the drafts from under
+// the sequence to j one at a time; accepting a path leaves the cache as appending it token by token does
+// (the same entries, bit for bit when the tree has at most 16 drafts, the same position).
+void check_kv_tree(const TreeCase& c, std::uint64_t seed, double bound) {
+  Rng rng(seed);
+  const Module m = make_module<float>(rng);
+  const Index n = static_cast<Index>(c.parents.size());
+  const Tensor3 prompt = random3<float>(rng, 1, c.prompt, 48), x = random3<float>(rng, 1, n, 48);
+  sdpa::KVCache<float> cache(m, 1, 0, c.storage);
+  (void)m.step(prompt, cache, c.options);
+  const Tensor3 y = m.step_tree(x, cache, c.parents, c.options);
+  ASSERT_EQ(cache.drafts(), n);
+  ASSERT_EQ(cache.position(), c.prompt);
+  for (Index j = 0; j < n; ++j) {
+    sdpa::KVCache<float> ref(m, 1, 0, c.storage);
+    (void)m.step(prompt, ref, c.options);
+    Tensor3 last;
+    for (Index k : path_to(c.parents, j)) last = m.step(token(x, 0, k), ref, c.options);
+    EXPECT_LE(max_abs(y, j, last, 0, 48), bound) << "draft " << j << " of " << n;
+  }
+  // Accept the path to the deepest draft.
+  Index deepest = 0;
+  for (Index j = 0; j < n; ++j)
+    if (path_to(c.parents, j).size() > path_to(c.parents, deepest).size()) deepest = j;
+  const std::vector<Index> path = path_to(c.parents, deepest);
+  cache.accept(path);
+  sdpa::KVCache<float> ref(m, 1, 0, c.storage);
+  (void)m.step(prompt, ref, c.options);
+  for (Index k : path) (void)m.step(token(x, 0, k), ref, c.options);
+  EXPECT_EQ(cache.drafts(), 0);
+  EXPECT_EQ(cache.position(), ref.position());
+  if (c.options.window_left < 0) {  // (a window's steps drop entries the tree step keeps until the next step)
+    ASSERT_EQ(cache.size(), ref.size());
+    const Tensor3 ka = cache.keys(), kb = ref.keys(), va = cache.values(), vb = ref.values();
+    const double entry_bound = n <= 16 ? 0.0 : 1e-5;
+    EXPECT_LE(max_abs(ka, 0, kb, 0, ka.size()), entry_bound);
+    EXPECT_LE(max_abs(va, 0, vb, 0, va.size()), entry_bound);
+  }
+  // Then decoding goes on as after the token-by-token path.
+  const Tensor3 next = random3<float>(rng, 1, 1, 48);
+  EXPECT_LE(max_abs(m.step(next, cache, c.options), 0, m.step(next, ref, c.options), 0, 48), bound);
+}
+
+class TreeStorage : public ::testing::TestWithParam<Storage> {};
+
+// Chains, wide trees and a tree of 20 drafts (the tiled kernel and the projections' GEMM), with grouped
+// heads, rotary, ALiBi, softcap, sinks and a window. The bound: 2e-5 (int8 on the vector paths 2e-4: the
+// token-by-token steps score int8 keys by integer products, the tree's second part by widened keys).
+TEST_P(TreeStorage, EqualsDecodingEachPath) {
+  const Storage s = GetParam();
+  const double bound = s == Storage::kInt8 && sdpa::active_isa() != sdpa::Isa::kPortable ? 2e-4 : 2e-5;
+  Rng rng(40);
+  sdpa::AttentionOptions<float> o;
+  o.alibi_slopes = sdpa::alibi_slopes<float>(4);
+  o.softcap = 30;
+  o.sinks = {0.2f, -0.5f, 1.0f, 0.0f};
+  check_kv_tree({s, {-1, 0, 1, 2, 3}, 37, o}, 41, bound);                          // a chain
+  check_kv_tree({s, {-1, -1, -1, 0, 0, 1, 3, 3, 6, -1, 2, 5}, 70, o}, 42, bound);  // a wide tree
+  check_kv_tree({s, random_tree(rng, 20), 50, o}, 43, bound);
+  check_kv_tree({s, {-1, 0}, 0, o}, 44, bound);  // an empty cache
+  sdpa::AttentionOptions<float> w;
+  w.window_left = 3;
+  check_kv_tree({s, {-1, 0, 1, 0, 3, 4, 5}, 30, w}, 45, bound);  // the window ends among the drafts
+}
+
+INSTANTIATE_TEST_SUITE_P(Storages, TreeStorage,
+                         ::testing::Values(Storage::kFloat32, Storage::kBFloat16, Storage::kFloat16, Storage::kInt8),
+                         [](const ::testing::TestParamInfo<Storage>& i) {
+                           return std::string(sdpa::storage_name(i.param)).substr(1);
+                         });
+
+// On a PagedKVCache: two sequences (one a fork of the other) with trees crossing a block boundary, each
+// accepting its own path; then both decode on as their token-by-token copies do.
+TEST(TreeStep, PagedSequencesAcceptTheirOwnPaths) {
+  Rng rng(50);
+  const Module m = make_module<float>(rng);
+  sdpa::AttentionOptions<float> o;
+  o.alibi_slopes = sdpa::alibi_slopes<float>(4);
+  o.sinks = {0.2f, -0.5f, 1.0f, 0.0f};
+  const std::vector<Index> parents{-1, 0, 0, 1, 2, 3, 5, -1, 7};
+  const Index n = static_cast<Index>(parents.size());
+  sdpa::PagedKVCache<float> paged(m, 16, 64), ref(m, 16, 64);
+  ref.set_cascade(false);
+  const auto a = paged.add_sequence();
+  ASSERT_EQ(ref.add_sequence(), a);
+  const Tensor3 prompt = random3<float>(rng, 1, 29, 48);  // 29 + 9 drafts cross blocks 1 and 2
+  (void)m.step(prompt, paged, {a}, o);
+  (void)m.step(prompt, ref, {a}, o);
+  const auto b = paged.fork(a);
+  ASSERT_EQ(ref.fork(a), b);
+  const Tensor3 x = random3<float>(rng, 2, n, 48);
+  const Tensor3 y = m.step_tree(x, paged, {b, a}, parents, o);
+  EXPECT_EQ(paged.drafts(a), n);
+  EXPECT_EQ(paged.size(a), 29);
+  // Each draft of each sequence against its path decoded one token at a time (on forks of the reference,
+  // removed after).
+  for (Index s = 0; s < 2; ++s)
+    for (Index j = 0; j < n; ++j) {
+      const auto f = ref.fork(s == 0 ? b : a);
+      Tensor3 last;
+      for (Index k : path_to(parents, j)) last = m.step(token(x, s, k), ref, {f}, o);
+      EXPECT_LE(max_abs(y, s * n + j, last, 0, 48), 2e-5) << "sequence " << s << ", draft " << j;
+      ref.remove_sequence(f);
+    }
+  const std::vector<Index> pa = path_to(parents, 6), pb = path_to(parents, 8);
+  paged.accept(a, pa);
+  paged.accept(b, pb);
+  for (Index k : pa) (void)m.step(token(x, 1, k), ref, {a}, o);
+  for (Index k : pb) (void)m.step(token(x, 0, k), ref, {b}, o);
+  for (auto id : {a, b}) {
+    EXPECT_EQ(paged.size(id), ref.size(id));
+    EXPECT_EQ(paged.position(id), ref.position(id));
+    const Tensor3 k1 = paged.keys(id), k2 = ref.keys(id);
+    ASSERT_EQ(k1.size(), k2.size());
+    EXPECT_EQ(max_abs(k1, 0, k2, 0, k1.size()), 0.0);
+  }
+  EXPECT_EQ(paged.blocks_used(), ref.blocks_used());
+  const Tensor3 next = random3<float>(rng, 2, 1, 48);
+  const Tensor3 y1 = m.step(next, paged, {a, b}, o), y2 = m.step(next, ref, {a, b}, o);
+  EXPECT_LE(max_abs(y1, 0, y2, 0, y1.size()), 2e-5);
+}
+
+// Refusals: a parent out of range or not before its child; a path that is not a chain of the tree; the
+// cache as it was.
+TEST(TreeStep, RefusesBadTreesAndPaths) {
+  Rng rng(60);
+  const Module m = make_module<float>(rng);
+  sdpa::KVCache<float> cache(m, 1);
+  (void)m.step(random3<float>(rng, 1, 10, 48), cache);
+  const Tensor3 x = random3<float>(rng, 1, 4, 48);
+  for (const std::vector<Index>& bad : {std::vector<Index>{-1, 1, 0, 0}, std::vector<Index>{-1, 0, -2, 0},
+                                        std::vector<Index>{0, 0, 0, 0}, std::vector<Index>{-1, 0, 5, 0}}) {
+    sdpa_test::expect_invalid([&] { (void)m.step_tree(x, cache, bad); }, {"step_tree", "parents["});
+    EXPECT_EQ(cache.size(), 10);
+    EXPECT_EQ(cache.drafts(), 0);
+  }
+  sdpa_test::expect_invalid([&] { (void)m.step_tree(x, cache, {-1, 0, 1}); }, {"step_tree", "parents", "4 entries"});
+  const std::vector<Index> parents{-1, 0, -1, 2};
+  (void)m.step_tree(x, cache, parents);
+  const Tensor3 keys = cache.keys();
+  for (const std::vector<Index>& bad : {std::vector<Index>{1}, std::vector<Index>{0, 2}, std::vector<Index>{2, 3, 0},
+                                        std::vector<Index>{4}, std::vector<Index>{-1}}) {
+    sdpa_test::expect_invalid([&] { cache.accept(bad); }, {"KVCache::accept", "path["});
+    EXPECT_EQ(cache.size(), 10);
+    EXPECT_EQ(cache.position(), 10);
+    EXPECT_EQ(cache.drafts(), 4);
+  }
+  EXPECT_EQ(max_abs(cache.keys(), 0, keys, 0, keys.size()), 0.0);
+  cache.accept({2, 3});
+  EXPECT_EQ(cache.size(), 12);
+  EXPECT_EQ(cache.drafts(), 0);
+  sdpa_test::expect_invalid([&] { cache.accept({0}); }, {"KVCache::accept", "path[0]"});  // nothing pending
+  sdpa::AttentionOptions<float> o;
+  o.probabilities = nullptr;
+  o.program = nullptr;
+  sdpa::AttentionOptions<float> lse = o;
+  Eigen::Tensor<float, 3, Eigen::RowMajor> l;
+  lse.log_sum_exp = &l;
+  sdpa_test::expect_invalid([&] { (void)m.step_tree(x, cache, parents, lse); }, {"step_tree", "log_sum_exp"});
+  sdpa::PagedKVCache<float> paged(m, 16, 8);
+  const auto id = paged.add_sequence();
+  sdpa_test::expect_invalid([&] { paged.accept(id, {0}); }, {"PagedKVCache::accept", "path[0]"});
+  sdpa_test::expect_invalid([&] { (void)m.step_tree(random3<float>(rng, 1, 2, 48), paged, {id + 1}, {-1, 0}); },
+                            {"step_tree", "sequence_ids[0]"});
+  // A pool too small for the drafts: refused, nothing changed.
+  (void)m.step(random3<float>(rng, 1, 100, 48), paged, {id});
+  EXPECT_THROW((void)m.step_tree(random3<float>(rng, 1, 40, 48), paged, {id}, random_tree(rng, 40)), std::runtime_error);
+  EXPECT_EQ(paged.size(id), 100);
+  EXPECT_EQ(paged.drafts(id), 0);
+}
+
+}  // namespace serving_test

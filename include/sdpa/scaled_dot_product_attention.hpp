@@ -199,6 +199,18 @@ class ScaledDotProductAttention {
   Tensor3 step(const X& x, PagedKVCache<Scalar>& cache, const std::vector<std::int64_t>& sequence_ids,
                const AttentionOptions<Scalar>& options = {}) const;
 
+  // Speculative decoding: x (batch, n, d_model) is a tree of n draft tokens for every sequence of the cache
+  // (or of sequence_ids), token j under parents[j] (an earlier token, or -1: the sequence's last). Each
+  // attends to the sequence's entries, its ancestors and itself, at position position() + depth - 1; all
+  // are stored, pending until the cache's accept keeps a path. Returns (batch, n, d_model). The options of
+  // a step except a score program and dropout; refused before anything changes (parents, options, pool).
+  template <typename X>
+  Tensor3 step_tree(const X& x, KVCache<Scalar>& cache, const std::vector<Index>& parents,
+                    const AttentionOptions<Scalar>& options = {}) const;
+  template <typename X>
+  Tensor3 step_tree(const X& x, PagedKVCache<Scalar>& cache, const std::vector<std::int64_t>& sequence_ids,
+                    const std::vector<Index>& parents, const AttentionOptions<Scalar>& options = {}) const;
+
   void train(bool on = true) noexcept { training_ = on; }
   void eval() noexcept { training_ = false; }
   bool is_training() const noexcept { return training_; }
@@ -301,21 +313,14 @@ class ScaledDotProductAttention {
   using View = detail::InputView<Scalar>;
 
   static Index checked_size(const char* name, Index value);
-
   static Index checked_product(const char* name, Index a, Index b);
-
   static Index checked_kv_heads(Index kv_heads, Index h);
-
   template <typename Policy, typename Gen>
   static void init_layer(LinearType& layer, const Policy& policy, Gen& gen);
-
   void check_scalar_weights(const char* where) const;
-
   static Scalar checked_dropout(Scalar p);
-
   template <typename T, typename Self>
   static std::vector<ParameterRef<T>> collect(Self& self);
-
   template <typename T>
   static ParameterRef<T> find(std::vector<ParameterRef<T>> params, const std::string& name);
 
@@ -411,13 +416,10 @@ class ScaledDotProductAttention {
                        LinearGradients<Scalar>& g, Scalar* dx, const Eigen::ThreadPoolDevice* device) const;
 
   Gradients<Scalar> backward_impl(const Tensor3& grad_output, const ForwardState<Scalar>& s) const;
-
   // ---- decoding internals ----
 
   void check_cache(const KVCache<Scalar>& cache, const char* where) const;
-
   void check_decoding_input(const View& in, const char* name, Index batch, const char* where) const;
-
   static void check_output(const std::array<Index, 3>& want, const typename Tensor3::Dimensions& got, const char* where);
 
   // Entries before the cache's first held position were dropped: the options must not need them. The first
@@ -458,13 +460,16 @@ class ScaledDotProductAttention {
 
   void attend_impl(const View& q, const KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Scalar* out,
                    const typename Tensor3::Dimensions& out_dims, const char* where) const;
-
   void step_impl(const View& x, KVCache<Scalar>& cache, const AttentionOptions<Scalar>& options, Scalar* out,
                  const typename Tensor3::Dimensions& out_dims) const;
 
   // step on a PagedKVCache (see there).
   void paged_step_impl(const View& x, PagedKVCache<Scalar>& cache, const std::vector<std::int64_t>& ids,
                        const AttentionOptions<Scalar>& options, Scalar* out) const;
+  // step_tree on either cache (ids null: the KVCache's batch).
+  template <typename Cache>
+  void tree_step_impl(const View& x, Cache& cache, const std::vector<std::int64_t>* ids, const std::vector<Index>& parents,
+                      const AttentionOptions<Scalar>& options, Scalar* out) const;
 
   Index d_model_, d_k_, d_v_, h_, kv_heads_;
   Scalar dropout_;

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "sdpa/cache/draft_tree.hpp"
 #include "sdpa/cache/step_scratch.hpp"
 #include "sdpa/detail/buffer.hpp"
 #include "sdpa/error.hpp"
@@ -80,13 +81,14 @@ class KVCache {
     if (batch_ > 0 && capacity > std::numeric_limits<Index>::max() / batch_ / std::max(kv_heads_ * d_k_, kv_heads_ * d_v_))
       detail::throw_invalid("KVCache::reserve", "capacity", "representable as a number of elements", capacity);
     Store fresh = allocate(batch_, capacity);
-    copy_entries(fresh, capacity, size_);
+    copy_entries(fresh, capacity, size_ + drafts());  // (pending drafts too)
     store_ = std::move(fresh);
     capacity_ = capacity;
   }
 
   // Empties the cache (positions start again at 0), keeping its capacity.
   void clear() noexcept {
+    drafts_.clear();
     size_ = 0;
     position_ = 0;
   }
@@ -96,6 +98,7 @@ class KVCache {
   void truncate(Index size) {
     if (size < 0 || size > size_)
       detail::throw_invalid("KVCache::truncate", "size", detail::concat("in [0, ", size_, "] (the entries held)"), size);
+    drafts_.clear();
     position_ -= size_ - size;
     size_ = size;
   }
@@ -107,6 +110,7 @@ class KVCache {
         detail::throw_invalid("KVCache::reorder", detail::concat("rows[", i, "]"), detail::concat("in [0, ", batch_, ")"),
                               rows[i]);
     const Index batch = static_cast<Index>(rows.size());
+    drafts_.clear();
     Store fresh = allocate(batch, capacity_);
     for (Index i = 0; i < batch; ++i) copy_sequence(fresh, i, capacity_, rows[static_cast<std::size_t>(i)], 0, size_);
     store_ = std::move(fresh);
@@ -184,6 +188,7 @@ class KVCache {
     swap(position_, other.position_);
     swap(storage_, other.storage_);
     swap(store_, other.store_);
+    swap(drafts_, other.drafts_);
     scratch_.swap(other.scratch_);
   }
 
@@ -198,9 +203,11 @@ class KVCache {
   // A step makes room, writes its new entries after the held ones (store_rows, or key_rows / value_rows for
   // a cache that stores Scalar) and then makes them held with advance(n).
 
-  // Room for `extra` more entries per sequence, growing by at least doubling.
+  // Room for `extra` more entries per sequence, growing by at least doubling (pending drafts are dropped:
+  // the new entries take their place).
   void make_room(Index extra) {
     checked_nonnegative("KVCache::make_room", "extra", extra);
+    drafts_.clear();
     if (size_ + extra > capacity_) reserve(std::max(size_ + extra, 2 * capacity_));
   }
 
@@ -228,6 +235,7 @@ class KVCache {
   void drop_front(Index count) {
     count = std::clamp<Index>(count, 0, size_);
     if (count == 0) return;
+    drafts_.clear();
     for (Index b = 0; b < batch_; ++b) copy_sequence(store_, b, capacity_, b, count, size_ - count);
     size_ -= count;
   }
@@ -271,6 +279,38 @@ class KVCache {
 
   // The steps' scratch (sdpa/cache/step_scratch.hpp).
   detail::StepScratch<Scalar>& step_scratch() noexcept { return scratch_; }
+
+  // ---- Speculative decoding (sdpa/cache/draft_tree.hpp) ----
+  // A tree step (ScaledDotProductAttention::step_tree) stores its draft tokens after the held entries of
+  // every sequence, pending until accept; anything that appends, truncates, reorders, clears or drops
+  // entries discards them.
+
+  Index drafts() const noexcept { return static_cast<Index>(drafts_.size()); }
+  const std::vector<Index>& draft_parents() const noexcept { return drafts_; }
+
+  // Keeps the drafts of `path` (a chain of the tree from under the sequences: path[0]'s parent -1,
+  // path[i]'s parent path[i - 1]) in its order in every sequence and drops the others: the cache is then
+  // as if the accepted tokens had been appended one by one (the same entries, positions and rotation).
+  // An empty path accepts none. A path that is not such a chain is refused before anything changes.
+  void accept(const std::vector<Index>& path) {
+    detail::check_draft_path("KVCache::accept", drafts_, path);
+    const Index n = static_cast<Index>(path.size());
+    for (Index b = 0; b < batch_; ++b)
+      for (Index i = 0; i < n; ++i)
+        if (path[static_cast<std::size_t>(i)] != i) copy_sequence(store_, b, capacity_, b, size_ + path[static_cast<std::size_t>(i)], 1, size_ + i);
+    drafts_.clear();
+    size_ += n;
+    position_ += n;
+  }
+
+  // For step_tree: the parents.size() entries after the held ones (stored after make_room) are drafts.
+  void hold_drafts(std::vector<Index> parents) {
+    if (size_ + static_cast<Index>(parents.size()) > capacity_)
+      detail::throw_invalid("KVCache::hold_drafts", "parents", detail::concat("at most ", capacity_ - size_, " drafts (the room after the entries held)"),
+                            parents.size());
+    (void)detail::draft_depths("KVCache::hold_drafts", parents);
+    drafts_ = std::move(parents);
+  }
 
  private:
   // Keys and values (bytes in the storage type) and int8's scales, each (batch, capacity, ...).
@@ -325,23 +365,23 @@ class KVCache {
     return s;
   }
 
-  // count entries of sequence `from` starting at entry `from_at` of this cache into sequence `to` at entry 0
-  // of `dst` (whose capacity is dst_capacity).
-  void copy_sequence(Store& dst, Index to, Index dst_capacity, Index from, Index from_at, Index count) const {
+  // count entries of sequence `from` starting at entry `from_at` of this cache into sequence `to` at entry
+  // to_at of `dst` (whose capacity is dst_capacity).
+  void copy_sequence(Store& dst, Index to, Index dst_capacity, Index from, Index from_at, Index count, Index to_at = 0) const {
     if (count <= 0) return;
     const std::size_t es = storage_bytes(storage_);
     const auto copy = [&](unsigned char* d, const unsigned char* s, Index width) {
       const std::size_t row = static_cast<std::size_t>(width) * es;
-      std::memmove(d + static_cast<std::size_t>(to * dst_capacity) * row, s + static_cast<std::size_t>(from * capacity_ + from_at) * row,
+      std::memmove(d + static_cast<std::size_t>(to * dst_capacity + to_at) * row, s + static_cast<std::size_t>(from * capacity_ + from_at) * row,
                    static_cast<std::size_t>(count) * row);
     };
     copy(dst.keys.data(), store_.keys.data(), kv_heads_ * d_k_);
     copy(dst.values.data(), store_.values.data(), kv_heads_ * d_v_);
     if (storage_ == Storage::kInt8) {
       const Index g = kv_heads_;
-      std::memmove(dst.key_scales.data() + (to * dst_capacity) * g, store_.key_scales.data() + (from * capacity_ + from_at) * g,
+      std::memmove(dst.key_scales.data() + (to * dst_capacity + to_at) * g, store_.key_scales.data() + (from * capacity_ + from_at) * g,
                    static_cast<std::size_t>(count * g) * sizeof(float));
-      std::memmove(dst.value_scales.data() + (to * dst_capacity) * g,
+      std::memmove(dst.value_scales.data() + (to * dst_capacity + to_at) * g,
                    store_.value_scales.data() + (from * capacity_ + from_at) * g, static_cast<std::size_t>(count * g) * sizeof(float));
     }
   }
@@ -370,6 +410,7 @@ class KVCache {
   Index batch_ = 0, capacity_ = 0, size_ = 0, position_ = 0;
   Storage storage_ = native_storage<Scalar>();
   Store store_;
+  std::vector<Index> drafts_;  // the pending drafts' parents
   detail::StepScratch<Scalar> scratch_;
 };
 

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "sdpa/cache/draft_tree.hpp"
 #include "sdpa/cache/step_scratch.hpp"
 #include "sdpa/detail/buffer.hpp"
 #include "sdpa/error.hpp"
@@ -85,9 +86,12 @@ class PagedKVCache {
   }
 
   // A new sequence with the entries and position of `id`, sharing its blocks: no entry is copied until one
-  // of the two appends to their shared, partly filled last block (that block alone is then copied).
+  // of the two appends to their shared, partly filled last block (that block alone is then copied). The
+  // fork shares the blocks of the held entries only (not `id`'s pending drafts).
   SequenceId fork(SequenceId id) {
-    const Sequence copy = find("PagedKVCache::fork", id);
+    Sequence copy = find("PagedKVCache::fork", id);
+    copy.blocks.resize(static_cast<std::size_t>((copy.size + block_size_ - 1) / block_size_));
+    copy.drafts.clear();
     for (Index b : copy.blocks) ++refs_[static_cast<std::size_t>(b)];
     sequences_[next_id_] = copy;
     return next_id_++;
@@ -98,13 +102,10 @@ class PagedKVCache {
     Sequence& s = find("PagedKVCache::truncate", id);
     if (size < 0 || size > s.size)
       detail::throw_invalid("PagedKVCache::truncate", "size", detail::concat("in [0, ", s.size, "] (the entries held)"), size);
-    const Index keep = (size + block_size_ - 1) / block_size_;
-    while (static_cast<Index>(s.blocks.size()) > keep) {
-      release(s.blocks.back());
-      s.blocks.pop_back();
-    }
+    s.drafts.clear();
     s.position -= s.size - size;
     s.size = size;
+    release_unused(s);
   }
 
   bool contains(SequenceId id) const noexcept { return sequences_.count(id) > 0; }
@@ -169,6 +170,7 @@ class PagedKVCache {
                                               " are free (remove or truncate sequences, or make a larger pool)"));
     for (SequenceId id : ids) {
       Sequence& s = find(where, id);
+      s.drafts.clear();  // (the new entries take their place)
       if (s.size % block_size_ != 0 && refs_[static_cast<std::size_t>(s.blocks.back())] > 1) {
         // Copy on write: the shared tail block's filled rows into a block of this sequence's own.
         const Index old = s.blocks.back(), fresh = take();
@@ -296,11 +298,61 @@ class PagedKVCache {
   // The steps' scratch (sdpa/cache/step_scratch.hpp).
   detail::StepScratch<Scalar>& step_scratch() noexcept { return scratch_; }
 
+  // ---- Speculative decoding (sdpa/cache/draft_tree.hpp) ----
+  // A tree step (ScaledDotProductAttention::step_tree) stores each sequence's draft tokens after its held
+  // entries, pending until accept; anything that appends to the sequence, truncates it or forks from it
+  // leaves them out (the fork) or discards them.
+
+  Index drafts(SequenceId id) const { return static_cast<Index>(find("PagedKVCache::drafts", id).drafts.size()); }
+  const std::vector<Index>& draft_parents(SequenceId id) const { return find("PagedKVCache::draft_parents", id).drafts; }
+
+  // Keeps the sequence's drafts of `path` (a chain of the tree from under the sequence: path[0]'s parent
+  // -1, path[i]'s parent path[i - 1]) in its order and drops the others (their blocks go back to the
+  // pool): the sequence is then as if the accepted tokens had been appended one by one (the same entries,
+  // positions and rotation). An empty path accepts none. A bad id or a path that is not such a chain is
+  // refused before anything changes.
+  void accept(SequenceId id, const std::vector<Index>& path) {
+    Sequence& s = find("PagedKVCache::accept", id);
+    detail::check_draft_path("PagedKVCache::accept", s.drafts, path);
+    const Index n = static_cast<Index>(path.size());
+    for (Index i = 0; i < n; ++i) {
+      const Index from = physical(s, s.size + path[static_cast<std::size_t>(i)]), to = physical(s, s.size + i);
+      if (from == to) continue;
+      for (bool v : {false, true}) {
+        std::memcpy(entry(v, to), entry(v, from), row_bytes(v));
+        if (storage_ == Storage::kInt8) std::copy_n(scales(v, from), kv_heads_, scales(v, to));
+      }
+    }
+    s.drafts.clear();
+    s.size += n;
+    s.position += n;
+    release_unused(s);
+  }
+
+  // For step_tree: the parents.size() entries after the sequence's held ones (stored after make_room) are
+  // drafts.
+  void hold_drafts(SequenceId id, std::vector<Index> parents) {
+    Sequence& s = find("PagedKVCache::hold_drafts", id);
+    check_room("PagedKVCache::hold_drafts", s, static_cast<Index>(parents.size()));
+    (void)detail::draft_depths("PagedKVCache::hold_drafts", parents);
+    s.drafts = std::move(parents);
+  }
+
  private:
   struct Sequence {
     std::vector<Index> blocks;
     Index size = 0, position = 0;
+    std::vector<Index> drafts;  // the pending drafts' parents
   };
+
+  // The blocks past those of the held entries go back to the pool.
+  void release_unused(Sequence& s) {
+    const Index keep = (s.size + block_size_ - 1) / block_size_;
+    while (static_cast<Index>(s.blocks.size()) > keep) {
+      release(s.blocks.back());
+      s.blocks.pop_back();
+    }
+  }
 
   static Index checked_block_size(Index n) {
     if (n <= 0 || n % kernels::kDecodeRows != 0)

@@ -12,7 +12,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "sdpa/cache/kv_cache.hpp"
@@ -562,6 +565,240 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
   }
   if (options.window_left >= 0)
     for (std::int64_t id : ids) cache.drop_hidden(id, options.window_left);
+}
+
+SDPA_NAMESPACE_END
+
+SDPA_NAMESPACE_BEGIN
+
+template <typename Scalar>
+template <typename X>
+auto ScaledDotProductAttention<Scalar>::step_tree(const X& x, KVCache<Scalar>& cache, const std::vector<Index>& parents,
+                                                  const AttentionOptions<Scalar>& options) const -> Tensor3 {
+  SDPA_DETAIL_CHECK_INPUT(X, Scalar);
+  Tensor3 out;
+  if constexpr (detail::is_valid_input<X, Scalar>()) {
+    const detail::InputView<Scalar> in(x);
+    out = Tensor3(in.dims()[0], in.dims()[1], d_model_);
+    tree_step_impl(in, cache, nullptr, parents, options, out.data());
+  }
+  return out;
+}
+
+template <typename Scalar>
+template <typename X>
+auto ScaledDotProductAttention<Scalar>::step_tree(const X& x, PagedKVCache<Scalar>& cache,
+                                                  const std::vector<std::int64_t>& sequence_ids,
+                                                  const std::vector<Index>& parents,
+                                                  const AttentionOptions<Scalar>& options) const -> Tensor3 {
+  SDPA_DETAIL_CHECK_INPUT(X, Scalar);
+  Tensor3 out;
+  if constexpr (detail::is_valid_input<X, Scalar>()) {
+    const detail::InputView<Scalar> in(x);
+    out = Tensor3(in.dims()[0], in.dims()[1], d_model_);
+    tree_step_impl(in, cache, &sequence_ids, parents, options, out.data());
+  }
+  return out;
+}
+
+// A tree step in two parts merged by their log-sum-exps: every draft over the sequence's held entries (the
+// decoding or tiled kernel, each query at its depth's position, so windows and ALiBi see its distances),
+// and over the drafts themselves (a mask of its ancestors and itself, ALiBi as a bias of depth distances,
+// the window on depths; the drafts' keys and values as stored, widened). Sinks go with the first part.
+template <typename Scalar>
+template <typename Cache>
+void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cache, const std::vector<std::int64_t>* ids,
+                                                       const std::vector<Index>& parents,
+                                                       const AttentionOptions<Scalar>& options, Scalar* out) const {
+  using Target = kernels::ProjectionTarget<Scalar>;
+  constexpr bool kPaged = std::is_same<Cache, PagedKVCache<Scalar>>::value;
+  const char* where = kPaged ? "ScaledDotProductAttention::step_tree (PagedKVCache)" : "ScaledDotProductAttention::step_tree";
+  if (cache.d_model() != d_model_ || cache.kv_heads() != kv_heads_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
+    detail::throw_invalid(where, "cache",
+                          detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_, ", d_v ", d_v_),
+                          detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ",
+                                         cache.d_k(), ", d_v ", cache.d_v()));
+  if (is_narrow<Scalar>(cache.storage()) && kernel_ == Kernel::kReference)
+    detail::throw_invalid(where, "the module's kernel (set_kernel)",
+                          detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage())), "kReference");
+  Index batch = 0;
+  if constexpr (kPaged) {
+    batch = static_cast<Index>(ids->size());
+    for (std::size_t i = 0; i < ids->size(); ++i) {
+      if (!cache.contains((*ids)[i]))
+        detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), "the id of a sequence of the cache", (*ids)[i]);
+      for (std::size_t j = 0; j < i; ++j)
+        if ((*ids)[j] == (*ids)[i])
+          detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), detail::concat("distinct from sequence_ids[", j, "]"),
+                                (*ids)[i]);
+    }
+  } else {
+    batch = cache.batch();
+  }
+  check_decoding_input(x, "x", batch, where);
+  const Index n = x.dims()[1];
+  if (static_cast<Index>(parents.size()) != n)
+    detail::throw_invalid(where, "parents", detail::concat(n, " entries (one per draft token: x dimension 1)"), parents.size());
+  const std::vector<Index> depth = detail::draft_depths(where, parents);
+  const char* unsupported = options.attention_mask != nullptr      ? "attention_mask"
+                            : options.attention_weights != nullptr ? "attention_weights"
+                            : options.attention_bias != nullptr    ? "attention_bias"
+                            : !options.key_lengths.empty()         ? "key_lengths"
+                            : options.probabilities != nullptr     ? "probabilities"
+                            : options.log_sum_exp != nullptr       ? "log_sum_exp"
+                            : options.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
+                            : !options.rotary_positions.empty()    ? "rotary_positions"
+                            : options.program != nullptr           ? "program"
+                                                                   : nullptr;
+  if (unsupported != nullptr) detail::throw_invalid(where, unsupported, "unset for a draft tree step", "set");
+  if (training_ && dropout_ > Scalar(0))
+    detail::throw_invalid(where, "the module's mode", "eval() or dropout 0 (a draft tree is verified without dropout)",
+                          "training with dropout");
+  // Each sequence's held entries, positions and first held position.
+  const auto seq = [&](Index b) { return kPaged ? (*ids)[static_cast<std::size_t>(b)] : std::int64_t{0}; };
+  std::vector<Index> sizes(static_cast<std::size_t>(batch)), positions(sizes), firsts(sizes);
+  Index nk = 0;
+  for (Index b = 0; b < batch; ++b) {
+    if constexpr (kPaged) {
+      sizes[static_cast<std::size_t>(b)] = cache.size(seq(b));
+      positions[static_cast<std::size_t>(b)] = cache.position(seq(b));
+    } else {
+      sizes[static_cast<std::size_t>(b)] = cache.size();
+      positions[static_cast<std::size_t>(b)] = cache.position();
+    }
+    firsts[static_cast<std::size_t>(b)] = positions[static_cast<std::size_t>(b)] - sizes[static_cast<std::size_t>(b)];
+    nk = std::max(nk, sizes[static_cast<std::size_t>(b)]);
+  }
+  detail::check_attention_options(call_shape(where, batch, n, nk + n), options, /*module_call=*/true);
+  // The shallowest draft (at the sequence's position) must see every key it needs.
+  for (Index b = 0; b < batch; ++b)
+    check_dropped(firsts[static_cast<std::size_t>(b)], positions[static_cast<std::size_t>(b)] + 1, options, 1, where);
+  if (batch * n == 0) return;
+  if constexpr (kPaged)
+    cache.make_room(*ids, n, where);
+  else
+    cache.make_room(n);
+
+  // Queries, keys and values of every draft, each turned at its depth's position, stored after the held
+  // entries.
+  const Index rows = batch * n, hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_, ha = h_ * d_v_;
+  detail::StepScratch<Scalar>& scratch = cache.step_scratch();
+  Scalar* q = scratch.queries.reset_at_least(static_cast<std::size_t>(rows * hq));
+  Scalar* sk = scratch.stage.reset_at_least(static_cast<std::size_t>(rows * (hk + hv)));
+  Scalar* sv = sk + rows * hk;
+  const Target targets[3] = {fc_q_.target(q, hq), fc_k_.target(sk, hk), fc_v_.target(sv, hv)};
+  if (n <= kernels::kFewRows)
+    kernels::project_few_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
+  else
+    kernels::project_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
+  for (Index b = 0; b < batch; ++b) {
+    for (Index j = 0; j < n; ++j) {
+      const Index r = b * n + j, pos = positions[static_cast<std::size_t>(b)] + depth[static_cast<std::size_t>(j)] - 1;
+      transform(sk + r * hk, 1, 0, 1, hk, false, pos);
+      transform(q + r * hq, 1, 0, 1, hq, true, pos);
+    }
+    if constexpr (kPaged) {
+      cache.store_rows(seq(b), false, sk + b * n * hk, hk, n);
+      cache.store_rows(seq(b), true, sv + b * n * hv, hv, n);
+    } else {
+      cache.store_rows(false, b, sizes[0], sk + b * n * hk, hk, n);
+      cache.store_rows(true, b, sizes[0], sv + b * n * hv, hv, n);
+    }
+  }
+
+  // Part 1: the drafts over the held entries.
+  Scalar* att = scratch.attention.reset_at_least(static_cast<std::size_t>(rows * ha * (gated_ ? 2 : 1)));
+  Scalar* part = scratch.parts.reset_at_least(static_cast<std::size_t>(rows * (ha + hk + hv) + 2 * batch * h_ * n));
+  Scalar* kd = part + rows * ha;
+  Scalar* vd = kd + rows * hk;
+  Scalar* lse_held = vd + rows * hv;
+  Scalar* lse_drafts = lse_held + batch * h_ * n;
+  if (static_cast<Index>(scratch.positions.size()) < rows) scratch.positions.resize(static_cast<std::size_t>(rows));
+  for (Index b = 0; b < batch; ++b)
+    for (Index j = 0; j < n; ++j)
+      scratch.positions[static_cast<std::size_t>(b * n + j)] = sizes[static_cast<std::size_t>(b)] + depth[static_cast<std::size_t>(j)] - 1;
+  std::vector<const Index*> tables(static_cast<std::size_t>(batch));
+  if (nk == 0) {
+    // Nothing held: each row's part is empty (its sink alone, if any).
+    std::fill_n(att, rows * ha, Scalar(0));
+    for (Index b = 0; b < batch; ++b)
+      for (Index h = 0; h < h_; ++h)
+        std::fill_n(lse_held + (b * h_ + h) * n, n, options.sinks.empty() ? -std::numeric_limits<Scalar>::infinity() : options.sinks[static_cast<std::size_t>(h)]);
+  } else {
+    AttentionOptions<Scalar> held = options;
+    if constexpr (kPaged) held.key_lengths = sizes;
+    kernels::AttentionProblem<Scalar> p = detail::problem_of(call_shape(where, batch, n, nk), held, masked_rows_, true, 0);
+    p.query_positions = scratch.positions.data();
+    p.q = {q, n * hq, hq, d_k_};
+    p.read_rows(cache.rows());
+    if constexpr (kPaged) {
+      for (Index b = 0; b < batch; ++b) tables[static_cast<std::size_t>(b)] = cache.block_table(seq(b));
+      p.block_tables = tables.data();
+      p.block_rows = cache.block_size();
+      p.key_bases = firsts.data();
+    } else {
+      p.key_base = firsts[0];
+    }
+    p.out = {att, n * ha, ha, d_v_};
+    p.lse = lse_held;
+    detail::run_attention(p, kernel_, &scratch.decode, options.device);
+  }
+
+  // Part 2: the drafts over their ancestors and themselves, their keys and values as the cache stores them.
+  if (is_narrow<Scalar>(cache.storage())) {
+    const std::size_t es = storage_bytes(cache.storage());
+    detail::Buffer<unsigned char> bytes(static_cast<std::size_t>(rows * std::max(hk, hv)) * es);
+    detail::Buffer<float> scales(static_cast<std::size_t>(rows * kv_heads_));
+    detail::store_rows(cache.storage(), sk, hk, rows, kv_heads_, d_k_, bytes.data(), scales.data());
+    detail::load_rows(cache.storage(), bytes.data(), rows, kv_heads_, d_k_, scales.data(), kd);
+    detail::store_rows(cache.storage(), sv, hv, rows, kv_heads_, d_v_, bytes.data(), scales.data());
+    detail::load_rows(cache.storage(), bytes.data(), rows, kv_heads_, d_v_, scales.data(), vd);
+  } else {
+    std::copy_n(sk, rows * hk, kd);
+    std::copy_n(sv, rows * hv, vd);
+  }
+  Eigen::Tensor<bool, 4, Eigen::RowMajor> hidden(1, 1, n, n);
+  Eigen::Tensor<Scalar, 4, Eigen::RowMajor> distance;
+  if (!options.alibi_slopes.empty()) distance.resize(1, h_, n, n);
+  for (Index i = 0; i < n; ++i)
+    for (Index j = 0; j < n; ++j) {
+      const Index gap = depth[static_cast<std::size_t>(i)] - depth[static_cast<std::size_t>(j)];
+      hidden(0, 0, i, j) = !detail::draft_ancestor(parents, j, i) || (options.window_left >= 0 && gap > options.window_left);
+      for (Index h = 0; h < distance.dimension(1); ++h)
+        distance(0, h, i, j) = -options.alibi_slopes[static_cast<std::size_t>(h)] * static_cast<Scalar>(std::abs(gap));
+    }
+  AttentionOptions<Scalar> tree = options;
+  tree.alibi_slopes.clear();
+  tree.sinks.clear();
+  tree.window_left = tree.window_right = -1;
+  tree.attention_mask = &hidden;
+  tree.attention_bias = options.alibi_slopes.empty() ? nullptr : &distance;
+  kernels::AttentionProblem<Scalar> pt = detail::problem_of(call_shape(where, batch, n, n), tree, MaskedRows::kZero, false, 0);
+  pt.q = {q, n * hq, hq, d_k_};
+  pt.k = {kd, n * hk, hk, d_k_};
+  pt.v = {vd, n * hv, hv, d_v_};
+  pt.out = {part, n * ha, ha, d_v_};
+  pt.lse = lse_drafts;
+  detail::run_attention(pt, kernel_, &scratch.decode, options.device);
+  for (Index b = 0; b < batch; ++b)
+    for (Index h = 0; h < h_; ++h)
+      for (Index j = 0; j < n; ++j) {
+        const Index at = (b * n + j) * ha + h * d_v_, r = (b * h_ + h) * n + j;
+        kernels::merge_normalized_row(att + at, lse_held[r], part + at, lse_drafts[r], d_v_);
+      }
+
+  apply_gate(x.data(), rows, att, att + rows * ha, options.device);
+  if (n <= kernels::kFewRows) {
+    const kernels::ProjectionTarget<Scalar> to = fc_o_.target(out, d_model_);
+    kernels::project_few_rows<Scalar>(att, rows, ha, ha, &to, 1, options.device);
+  } else {
+    fc_o_.forward_rows(att, rows, ha, out, d_model_, options.device);
+  }
+  if constexpr (kPaged) {
+    for (Index b = 0; b < batch; ++b) cache.hold_drafts(seq(b), parents);
+  } else {
+    cache.hold_drafts(parents);
+  }
 }
 
 SDPA_NAMESPACE_END
