@@ -20,6 +20,10 @@
 //   serve/fma_peak/<isa>     independent float FMA chains (fma_peak.hpp): with the cascade step's FLOPs
 //                            (serve/cascade/step's counter), its compute floor
 //   (the cascade cases on 1 and 2 threads)
+//   serve/tree/step          a tree of 16 draft tokens (4 under the last token, 3 under each) verified in one
+//                            step_tree on a KVCache of 4096 entries (issue 51)
+//   serve/tree/single_step   one token's step on the same cache
+//   serve/tree/16_steps      16 single-token steps, one after the other
 //   serve_bench --fork_memory   16 forks of a 2000-token prompt each decoding 100 tokens: prints the
 //                            blocks used against the entries held and against 16 copies (JSON)
 #include <benchmark/benchmark.h>
@@ -199,6 +203,41 @@ void cascade_step(benchmark::State& state, bool cascade, int threads) {
   state.counters["flops"] = cascade_flops();
 }
 
+// A KVCache of 4096 entries; each case truncates back to them.
+constexpr Index kTreeCache = 4096;
+const std::vector<Index> kTree{-1, -1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3};
+
+Cache& tree_cache() {
+  static Cache cache = [] {
+    Cache c(model().module, 1, kTreeCache + 32);
+    (void)model().module.step(model().tokens(1, kTreeCache, 5), c);
+    return c;
+  }();
+  return cache;
+}
+
+void tree_step(benchmark::State& state) {
+  Cache& cache = tree_cache();
+  const Tensor3 x = model().tokens(1, static_cast<Index>(kTree.size()), 6);
+  for (auto _ : state) {
+    Tensor3 y = model().module.step_tree(x, cache, kTree);
+    benchmark::DoNotOptimize(y.data());
+  }
+  cache.truncate(kTreeCache);
+}
+
+void tree_single_steps(benchmark::State& state, Index steps) {
+  Cache& cache = tree_cache();
+  const Tensor3 x = model().tokens(1, 1, 7);
+  Tensor3 out(1, 1, 512);
+  Eigen::TensorMap<Tensor3> out_map(out.data(), 1, 1, 512);
+  for (auto _ : state) {
+    for (Index i = 0; i < steps; ++i) model().module.step(x, cache, {}, out_map);
+    benchmark::DoNotOptimize(out.data());
+    cache.truncate(kTreeCache);
+  }
+}
+
 int fork_memory() {
   const Model& m = model();
   Paged paged(m.module, 16, 400);
@@ -290,6 +329,9 @@ int main(int argc, char** argv) {
   const double shared_bytes = cascade_bytes();
   add("serve/cascade/read/bytes:" + std::to_string(static_cast<long long>(shared_bytes)) + "/threads:1",
       [shared_bytes](benchmark::State& s) { read_bound(s, shared_bytes); });
+  add("serve/tree/step/threads:1", tree_step);
+  add("serve/tree/single_step/threads:1", [](benchmark::State& s) { tree_single_steps(s, 1); });
+  add("serve/tree/16_steps/threads:1", [](benchmark::State& s) { tree_single_steps(s, 16); });
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -1,8 +1,9 @@
-"""Serving many sequences (serve_bench): the ragged paged step, packed prefill, the memory of forks; targets.
+"""Serving many sequences (serve_bench): the ragged paged step, packed prefill, the memory of forks, the merge
+of partial attention, cascade steps over shared prefixes and draft-tree steps; targets.
 
 Measures serving many sequences at once (issue 25) in one session: bench/serve_bench's cases (d_model 512,
-h 8, d_k 64, float, 1 thread) in rounds, each round one run of every case, min / median over the rounds;
-`serve_bench --fork_memory`; issue 25's targets checked on the medians.
+h 8, d_k 64, float, 1 thread unless a case says threads:2) in rounds, each round one run of every case, min /
+median over the rounds; `serve_bench --fork_memory`; issues 25's and 51's targets checked on the medians.
 
     python3 bench/run.py --suite serve --build [--rounds 5]
 """
@@ -59,7 +60,7 @@ def render(data):
     lo = {k: v["min_ms"] for k, v in data["cases"].items()}
     memory = data["fork_memory"]
     L = [f"{data['rounds']} rounds of every bench/serve_bench case (d_model 512, h 8, d_k 64, "
-         "float, 1 thread); min / median in ms over the rounds.", "",
+         "float, 1 thread unless the case says 2); min / median in ms over the rounds.", "",
          "| case | time | what it is |", "|---|---|---|"]
     what = {
         "serve/ragged_step": "one PagedKVCache step of 8 sequences of 100..4000 cached tokens (blocks of 64), one token each",
@@ -77,6 +78,9 @@ def render(data):
         "serve/cascade/ragged_step/threads:2": "the per-sequence step on 2 threads",
         "serve/cascade/read": "a sum over the cascade step's bytes (the prefix once, the own entries, four weight "
                               "matrices): its read bound",
+        "serve/tree/step": "step_tree: 16 draft tokens (4 under the last token, 3 under each) on a KVCache of 4096",
+        "serve/tree/single_step": "one token's step on the same cache",
+        "serve/tree/16_steps": "16 single-token steps",
     }
     for key, text in what.items():
         if key in med:
@@ -110,7 +114,11 @@ def render(data):
                     r("serve/cascade/step/threads:2", "serve/cascade/ragged_step/threads:2"), 0.25),
                    ("issue 51: cascade step / its read bound, prefix counted once (1 thread)",
                     r("serve/cascade/step", "serve/cascade/read"), 1.5)]
-    L += ["", "| target (issue 25, medians) | measured | required | |", "|---|---|---|---|"]
+    if "serve/tree/step" in med:
+        checks += [("issue 51: tree step of 16 drafts / one single-token step", r("serve/tree/step", "serve/tree/single_step"), 1.3),
+                   ("issue 51: tree step / 16 single-token steps (>= 8x faster)", r("serve/tree/step", "serve/tree/16_steps"),
+                    0.125)]
+    L += ["", "| target (issues 25 and 51, medians) | measured | required | |", "|---|---|---|---|"]
     for text, value, bound in checks:
         common.note(data, text, value)
         L.append(f"| {text} | {value:.2f}x | <= {bound}x | **{'PASS' if value <= bound else 'FAIL'}** |")
