@@ -51,8 +51,14 @@ def measure(args):
     cases = {k: common.case(v) for k, v in times.items()}
     for k, v in gflops.items():
         cases[k] = common.case([1.0 / g for g in v], gflops=v)  # (a time per GFLOP, so min / median order)
-    return {"rounds": args.rounds, "cases": cases, "fork_memory": memory,
-            "cascade_flops": 4.0 * 64 * 8 * 64 * (4096 + 64 + 1) + 4.0 * 2.0 * 64 * 512 * 512}
+    return {"rounds": args.rounds, "cases": cases, "fork_memory": memory}
+
+
+# Useful FLOPs of the cascade step (64 sequences' scores and p v over the 4096-token prefix and their own 65
+# entries, four projections of 64 rows) and of the tree step (16 drafts over 4096 entries, four projections
+# of 16 rows; the drafts among themselves are negligible).
+CASCADE_FLOPS = 4.0 * 64 * 8 * 64 * (4096 + 64 + 1) + 4.0 * 2.0 * 64 * 512 * 512
+TREE_FLOPS = 4.0 * 16 * 8 * 64 * 4096 + 4.0 * 2.0 * 16 * 512 * 512
 
 
 def render(data):
@@ -86,12 +92,11 @@ def render(data):
         if key in med:
             L.append(f"| {key} | {lo[key]:.3f} / {med[key]:.3f} | {text} |")
     peaks = {k: v for k, v in data["cases"].items() if k.startswith("serve/fma_peak/")}
-    floor = {}
     for key, rec in sorted(peaks.items()):
         g = statistics.median(rec["gflops"])
-        floor[key] = data["cascade_flops"] / g / 1e6
-        L.append(f"| {key} | {g:.1f} GFLOP/s (median) | float FMA peak; the cascade step's "
-                 f"{data['cascade_flops'] / 1e6:.0f} MFLOP take {floor[key]:.3f} ms at it |")
+        L.append(f"| {key} | {g:.1f} GFLOP/s (median) | float FMA peak: at it the cascade step's "
+                 f"{CASCADE_FLOPS / 1e6:.0f} MFLOP take {CASCADE_FLOPS / g / 1e6:.3f} ms, the tree step's "
+                 f"{TREE_FLOPS / 1e6:.0f} MFLOP {TREE_FLOPS / g / 1e6:.3f} ms |")
     L += ["", f"Forks (`serve_bench --fork_memory`): 16 forks of a 2000-token prompt, each decoding 100 tokens, in blocks "
           f"of {memory['block_size']}: {memory['blocks_used']} blocks, {memory['bytes']} bytes, {memory['ratio']:.3f}x the "
           f"bytes of one prompt and the 16 continuations (16 copies of the prompt: {memory['copies_ratio']:.2f}x)."]
