@@ -184,9 +184,7 @@ Forks& forks() {
 double cascade_bytes() { return 4.0 * ((kPrefix + kForks * kOwn) * 2.0 * 512.0 + 4.0 * 512.0 * 512.0); }
 // The cascade step's useful FLOPs: the prefix's scores and p v for 64 x 8 query rows, each sequence's own
 // 65 entries likewise, the four projections of 64 rows.
-double cascade_flops() {
-  return 4.0 * kForks * 8 * 64 * (kPrefix + kOwn + 1) + 4.0 * 2.0 * kForks * 512.0 * 512.0;
-}
+double cascade_flops() { return 4.0 * kForks * 8 * 64 * (kPrefix + kOwn + 1) + 4.0 * 2.0 * kForks * 512.0 * 512.0; }
 
 void cascade_step(benchmark::State& state, bool cascade, int threads) {
   Forks& f = forks();

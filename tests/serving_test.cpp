@@ -84,8 +84,7 @@ struct Twin {
   using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
   Paged cascade, plain;
   std::vector<typename Paged::SequenceId> ids;
-  Twin(const sdpa::ScaledDotProductAttention<Scalar>& m, Storage s)
-      : cascade(m, 16, 600, s), plain(m, 16, 600, s) {
+  Twin(const sdpa::ScaledDotProductAttention<Scalar>& m, Storage s) : cascade(m, 16, 600, s), plain(m, 16, 600, s) {
     plain.set_cascade(false);
   }
 };
@@ -154,7 +153,8 @@ TEST_P(CascadeStorage, EqualsThePerSequenceStep) {
     for (bool threads : {false, true}) {
       sdpa::AttentionOptions<float> os = o;
       if (threads) os.device = &device;
-      EXPECT_LE(cascade_error<float>(GetParam(), os, tokens, ++seed), bound) << tokens << " tokens, threads " << threads;
+      EXPECT_LE(cascade_error<float>(GetParam(), os, tokens, ++seed), bound)
+          << tokens << " tokens, threads " << threads;
     }
   }
   // A sliding window whose edge falls inside the shared blocks for some queries.
@@ -201,14 +201,16 @@ std::vector<Index> path_to(const std::vector<Index>& parents, Index j) {
 
 double max_abs(const Tensor3& a, Index ai, const Tensor3& b, Index bi, Index n) {
   double d = 0;
-  for (Index c = 0; c < n; ++c) d = std::max(d, std::fabs(static_cast<double>(a.data()[ai * n + c]) - b.data()[bi * n + c]));
+  for (Index c = 0; c < n; ++c)
+    d = std::max(d, std::fabs(static_cast<double>(a.data()[ai * n + c]) - b.data()[bi * n + c]));
   return d;
 }
 
 // A random tree of n drafts (each under -1 or an earlier one).
 std::vector<Index> random_tree(Rng& rng, Index n) {
   std::vector<Index> parents;
-  for (Index j = 0; j < n; ++j) parents.push_back(static_cast<Index>(std::floor(rng.uniform(-1, static_cast<double>(j)))));
+  for (Index j = 0; j < n; ++j)
+    parents.push_back(static_cast<Index>(std::floor(rng.uniform(-1, static_cast<double>(j)))));
   return parents;
 }
 
@@ -381,11 +383,15 @@ TEST(TreeStep, RefusesBadTreesAndPaths) {
   sdpa::PagedKVCache<float> paged(m, 16, 8);
   const auto id = paged.add_sequence();
   sdpa_test::expect_invalid([&] { paged.accept(id, {0}); }, {"PagedKVCache::accept", "path[0]"});
-  sdpa_test::expect_invalid([&] { (void)m.step_tree(random3<float>(rng, 1, 2, 48), paged, {id + 1}, {-1, 0}); },
-                            {"step_tree", "sequence_ids[0]"});
+  sdpa_test::expect_invalid(
+      [&] {
+        (void)m.step_tree(random3<float>(rng, 1, 2, 48), paged, {id + 1}, {-1, 0});
+      },
+      {"step_tree", "sequence_ids[0]"});
   // A pool too small for the drafts: refused, nothing changed.
   (void)m.step(random3<float>(rng, 1, 100, 48), paged, {id});
-  EXPECT_THROW((void)m.step_tree(random3<float>(rng, 1, 40, 48), paged, {id}, random_tree(rng, 40)), std::runtime_error);
+  EXPECT_THROW((void)m.step_tree(random3<float>(rng, 1, 40, 48), paged, {id}, random_tree(rng, 40)),
+               std::runtime_error);
   EXPECT_EQ(paged.size(id), 100);
   EXPECT_EQ(paged.drafts(id), 0);
 }

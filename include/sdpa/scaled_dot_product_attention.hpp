@@ -468,8 +468,8 @@ class ScaledDotProductAttention {
                        const AttentionOptions<Scalar>& options, Scalar* out) const;
   // step_tree on either cache (ids null: the KVCache's batch).
   template <typename Cache>
-  void tree_step_impl(const View& x, Cache& cache, const std::vector<std::int64_t>* ids, const std::vector<Index>& parents,
-                      const AttentionOptions<Scalar>& options, Scalar* out) const;
+  void tree_step_impl(const View& x, Cache& cache, const std::vector<std::int64_t>* ids,
+                      const std::vector<Index>& parents, const AttentionOptions<Scalar>& options, Scalar* out) const;
 
   Index d_model_, d_k_, d_v_, h_, kv_heads_;
   Scalar dropout_;

@@ -124,6 +124,14 @@ int exercise() {
   (void)gqa.step(token, paged, {first, second});
   const auto forked = paged.fork(first);
   y_step = gqa.step(token, paged, {first, forked});
+  // Speculative decoding: a draft tree on both caches, one path accepted; the cascade's levels.
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> drafts(2, 3, 32);
+  drafts.setRandom();
+  (void)gqa.step_tree(drafts, paged, {first, forked}, {-1, 0, 0});
+  paged.accept(first, {0, 1});
+  (void)gqa.step_tree(drafts, cache, {-1, 0, -1});
+  cache.accept({2});
+  if (!paged.shared_blocks({first, forked}).empty() && paged.drafts(forked) != 3) return 1;
   paged.truncate(forked, 1);
   paged.remove_sequence(second);
   if (paged.blocks_used() == 0 || g3.q.size() == 0) return 1;

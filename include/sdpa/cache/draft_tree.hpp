@@ -41,7 +41,8 @@ inline bool draft_ancestor(const std::vector<Eigen::Index>& parents, Eigen::Inde
 
 // `path` must be a chain of the tree from under the sequence: path[0]'s parent -1, path[i]'s parent
 // path[i - 1] (std::invalid_argument naming `where` otherwise).
-inline void check_draft_path(const char* where, const std::vector<Eigen::Index>& parents, const std::vector<Eigen::Index>& path) {
+inline void check_draft_path(const char* where, const std::vector<Eigen::Index>& parents,
+                             const std::vector<Eigen::Index>& path) {
   const Eigen::Index n = static_cast<Eigen::Index>(parents.size());
   for (std::size_t i = 0; i < path.size(); ++i) {
     if (path[i] < 0 || path[i] >= n)

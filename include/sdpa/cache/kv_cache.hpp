@@ -297,7 +297,8 @@ class KVCache {
     const Index n = static_cast<Index>(path.size());
     for (Index b = 0; b < batch_; ++b)
       for (Index i = 0; i < n; ++i)
-        if (path[static_cast<std::size_t>(i)] != i) copy_sequence(store_, b, capacity_, b, size_ + path[static_cast<std::size_t>(i)], 1, size_ + i);
+        if (path[static_cast<std::size_t>(i)] != i)
+          copy_sequence(store_, b, capacity_, b, size_ + path[static_cast<std::size_t>(i)], 1, size_ + i);
     drafts_.clear();
     size_ += n;
     position_ += n;
@@ -306,7 +307,8 @@ class KVCache {
   // For step_tree: the parents.size() entries after the held ones (stored after make_room) are drafts.
   void hold_drafts(std::vector<Index> parents) {
     if (size_ + static_cast<Index>(parents.size()) > capacity_)
-      detail::throw_invalid("KVCache::hold_drafts", "parents", detail::concat("at most ", capacity_ - size_, " drafts (the room after the entries held)"),
+      detail::throw_invalid("KVCache::hold_drafts", "parents",
+                            detail::concat("at most ", capacity_ - size_, " drafts (the room after the entries held)"),
                             parents.size());
     (void)detail::draft_depths("KVCache::hold_drafts", parents);
     drafts_ = std::move(parents);
@@ -367,22 +369,26 @@ class KVCache {
 
   // count entries of sequence `from` starting at entry `from_at` of this cache into sequence `to` at entry
   // to_at of `dst` (whose capacity is dst_capacity).
-  void copy_sequence(Store& dst, Index to, Index dst_capacity, Index from, Index from_at, Index count, Index to_at = 0) const {
+  void copy_sequence(Store& dst, Index to, Index dst_capacity, Index from, Index from_at, Index count,
+                     Index to_at = 0) const {
     if (count <= 0) return;
     const std::size_t es = storage_bytes(storage_);
     const auto copy = [&](unsigned char* d, const unsigned char* s, Index width) {
       const std::size_t row = static_cast<std::size_t>(width) * es;
-      std::memmove(d + static_cast<std::size_t>(to * dst_capacity + to_at) * row, s + static_cast<std::size_t>(from * capacity_ + from_at) * row,
+      std::memmove(d + static_cast<std::size_t>(to * dst_capacity + to_at) * row,
+                   s + static_cast<std::size_t>(from * capacity_ + from_at) * row,
                    static_cast<std::size_t>(count) * row);
     };
     copy(dst.keys.data(), store_.keys.data(), kv_heads_ * d_k_);
     copy(dst.values.data(), store_.values.data(), kv_heads_ * d_v_);
     if (storage_ == Storage::kInt8) {
       const Index g = kv_heads_;
-      std::memmove(dst.key_scales.data() + (to * dst_capacity + to_at) * g, store_.key_scales.data() + (from * capacity_ + from_at) * g,
+      std::memmove(dst.key_scales.data() + (to * dst_capacity + to_at) * g,
+                   store_.key_scales.data() + (from * capacity_ + from_at) * g,
                    static_cast<std::size_t>(count * g) * sizeof(float));
       std::memmove(dst.value_scales.data() + (to * dst_capacity + to_at) * g,
-                   store_.value_scales.data() + (from * capacity_ + from_at) * g, static_cast<std::size_t>(count * g) * sizeof(float));
+                   store_.value_scales.data() + (from * capacity_ + from_at) * g,
+                   static_cast<std::size_t>(count * g) * sizeof(float));
     }
   }
 

@@ -261,7 +261,9 @@ class PagedKVCache {
     std::vector<const Sequence*> seqs;
     for (SequenceId id : ids) seqs.push_back(&find("PagedKVCache::shared_blocks", id));
     const auto full_blocks = [&](Index i) { return seqs[static_cast<std::size_t>(i)]->size / block_size_; };
-    const auto block = [&](Index i, Index j) { return seqs[static_cast<std::size_t>(i)]->blocks[static_cast<std::size_t>(j)]; };
+    const auto block = [&](Index i, Index j) {
+      return seqs[static_cast<std::size_t>(i)]->blocks[static_cast<std::size_t>(j)];
+    };
     std::vector<SharedBlocks> runs;
     // (members, depth): members hold the same blocks before depth.
     std::vector<std::pair<std::vector<Index>, Index>> todo;
@@ -304,7 +306,9 @@ class PagedKVCache {
   // leaves them out (the fork) or discards them.
 
   Index drafts(SequenceId id) const { return static_cast<Index>(find("PagedKVCache::drafts", id).drafts.size()); }
-  const std::vector<Index>& draft_parents(SequenceId id) const { return find("PagedKVCache::draft_parents", id).drafts; }
+  const std::vector<Index>& draft_parents(SequenceId id) const {
+    return find("PagedKVCache::draft_parents", id).drafts;
+  }
 
   // Keeps the sequence's drafts of `path` (a chain of the tree from under the sequence: path[0]'s parent
   // -1, path[i]'s parent path[i - 1]) in its order and drops the others (their blocks go back to the

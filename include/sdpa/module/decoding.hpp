@@ -56,7 +56,8 @@ void attend_cascade(kernels::AttentionProblem<Scalar>& p, const std::vector<Run>
   for (const Run& run : runs) {
     widest = std::max(widest, static_cast<Index>(run.members.size()));
     for (Index i : run.members)
-      covered[static_cast<std::size_t>(i)] = std::max(covered[static_cast<std::size_t>(i)], run.first_block + run.blocks);
+      covered[static_cast<std::size_t>(i)] =
+          std::max(covered[static_cast<std::size_t>(i)], run.first_block + run.blocks);
   }
   const std::vector<const Index*> tables = r.tables;  // (whole)
   Index nk = 0;
@@ -69,7 +70,8 @@ void attend_cascade(kernels::AttentionProblem<Scalar>& p, const std::vector<Run>
     nk = std::max(nk, r.lengths[i]);
   }
   const Index rows = widest * t;
-  Scalar* own_lse = scratch.parts.reset_at_least(static_cast<std::size_t>(n_seq * t * heads + rows * (hq + ha + heads)));
+  Scalar* own_lse =
+      scratch.parts.reset_at_least(static_cast<std::size_t>(n_seq * t * heads + rows * (hq + ha + heads)));
   Scalar* qs = own_lse + n_seq * t * heads;
   Scalar* out = qs + rows * hq;
   Scalar* lse = out + rows * ha;
@@ -552,7 +554,8 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
     detail::run_attention(p, kernel_, &scratch.decode, options.device);
   } else {
     std::vector<Index> first(static_cast<std::size_t>(n_seq));
-    for (Index i = 0; i < n_seq; ++i) first[static_cast<std::size_t>(i)] = cache.first_position(ids[static_cast<std::size_t>(i)]);
+    for (Index i = 0; i < n_seq; ++i)
+      first[static_cast<std::size_t>(i)] = cache.first_position(ids[static_cast<std::size_t>(i)]);
     detail::attend_cascade(p, shared, {tables, lengths, offsets, bases, first}, cache.block_size(), kernel_, scratch,
                            options.device);
   }
@@ -607,30 +610,35 @@ auto ScaledDotProductAttention<Scalar>::step_tree(const X& x, PagedKVCache<Scala
 // the window on depths; the drafts' keys and values as stored, widened). Sinks go with the first part.
 template <typename Scalar>
 template <typename Cache>
-void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cache, const std::vector<std::int64_t>* ids,
+void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cache,
+                                                       const std::vector<std::int64_t>* ids,
                                                        const std::vector<Index>& parents,
                                                        const AttentionOptions<Scalar>& options, Scalar* out) const {
   using Target = kernels::ProjectionTarget<Scalar>;
   constexpr bool kPaged = std::is_same<Cache, PagedKVCache<Scalar>>::value;
-  const char* where = kPaged ? "ScaledDotProductAttention::step_tree (PagedKVCache)" : "ScaledDotProductAttention::step_tree";
+  const char* where =
+      kPaged ? "ScaledDotProductAttention::step_tree (PagedKVCache)" : "ScaledDotProductAttention::step_tree";
   if (cache.d_model() != d_model_ || cache.kv_heads() != kv_heads_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
-    detail::throw_invalid(where, "cache",
-                          detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_, ", d_v ", d_v_),
-                          detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ",
-                                         cache.d_k(), ", d_v ", cache.d_v()));
+    detail::throw_invalid(
+        where, "cache",
+        detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_, ", d_v ", d_v_),
+        detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ", cache.d_k(),
+                       ", d_v ", cache.d_v()));
   if (is_narrow<Scalar>(cache.storage()) && kernel_ == Kernel::kReference)
     detail::throw_invalid(where, "the module's kernel (set_kernel)",
-                          detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage())), "kReference");
+                          detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage())),
+                          "kReference");
   Index batch = 0;
   if constexpr (kPaged) {
     batch = static_cast<Index>(ids->size());
     for (std::size_t i = 0; i < ids->size(); ++i) {
       if (!cache.contains((*ids)[i]))
-        detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), "the id of a sequence of the cache", (*ids)[i]);
+        detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), "the id of a sequence of the cache",
+                              (*ids)[i]);
       for (std::size_t j = 0; j < i; ++j)
         if ((*ids)[j] == (*ids)[i])
-          detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), detail::concat("distinct from sequence_ids[", j, "]"),
-                                (*ids)[i]);
+          detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"),
+                                detail::concat("distinct from sequence_ids[", j, "]"), (*ids)[i]);
     }
   } else {
     batch = cache.batch();
@@ -638,7 +646,8 @@ void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cac
   check_decoding_input(x, "x", batch, where);
   const Index n = x.dims()[1];
   if (static_cast<Index>(parents.size()) != n)
-    detail::throw_invalid(where, "parents", detail::concat(n, " entries (one per draft token: x dimension 1)"), parents.size());
+    detail::throw_invalid(where, "parents", detail::concat(n, " entries (one per draft token: x dimension 1)"),
+                          parents.size());
   const std::vector<Index> depth = detail::draft_depths(where, parents);
   const char* unsupported = options.attention_mask != nullptr      ? "attention_mask"
                             : options.attention_weights != nullptr ? "attention_weights"
@@ -716,18 +725,22 @@ void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cac
   if (static_cast<Index>(scratch.positions.size()) < rows) scratch.positions.resize(static_cast<std::size_t>(rows));
   for (Index b = 0; b < batch; ++b)
     for (Index j = 0; j < n; ++j)
-      scratch.positions[static_cast<std::size_t>(b * n + j)] = sizes[static_cast<std::size_t>(b)] + depth[static_cast<std::size_t>(j)] - 1;
+      scratch.positions[static_cast<std::size_t>(b * n + j)] =
+          sizes[static_cast<std::size_t>(b)] + depth[static_cast<std::size_t>(j)] - 1;
   std::vector<const Index*> tables(static_cast<std::size_t>(batch));
   if (nk == 0) {
     // Nothing held: each row's part is empty (its sink alone, if any).
     std::fill_n(att, rows * ha, Scalar(0));
     for (Index b = 0; b < batch; ++b)
       for (Index h = 0; h < h_; ++h)
-        std::fill_n(lse_held + (b * h_ + h) * n, n, options.sinks.empty() ? -std::numeric_limits<Scalar>::infinity() : options.sinks[static_cast<std::size_t>(h)]);
+        std::fill_n(lse_held + (b * h_ + h) * n, n,
+                    options.sinks.empty() ? -std::numeric_limits<Scalar>::infinity()
+                                          : options.sinks[static_cast<std::size_t>(h)]);
   } else {
     AttentionOptions<Scalar> held = options;
     if constexpr (kPaged) held.key_lengths = sizes;
-    kernels::AttentionProblem<Scalar> p = detail::problem_of(call_shape(where, batch, n, nk), held, masked_rows_, true, 0);
+    kernels::AttentionProblem<Scalar> p =
+        detail::problem_of(call_shape(where, batch, n, nk), held, masked_rows_, true, 0);
     p.query_positions = scratch.positions.data();
     p.q = {q, n * hq, hq, d_k_};
     p.read_rows(cache.rows());
@@ -763,7 +776,8 @@ void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cac
   for (Index i = 0; i < n; ++i)
     for (Index j = 0; j < n; ++j) {
       const Index gap = depth[static_cast<std::size_t>(i)] - depth[static_cast<std::size_t>(j)];
-      hidden(0, 0, i, j) = !detail::draft_ancestor(parents, j, i) || (options.window_left >= 0 && gap > options.window_left);
+      hidden(0, 0, i, j) =
+          !detail::draft_ancestor(parents, j, i) || (options.window_left >= 0 && gap > options.window_left);
       for (Index h = 0; h < distance.dimension(1); ++h)
         distance(0, h, i, j) = -options.alibi_slopes[static_cast<std::size_t>(h)] * static_cast<Scalar>(std::abs(gap));
     }
@@ -773,7 +787,8 @@ void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cac
   tree.window_left = tree.window_right = -1;
   tree.attention_mask = &hidden;
   tree.attention_bias = options.alibi_slopes.empty() ? nullptr : &distance;
-  kernels::AttentionProblem<Scalar> pt = detail::problem_of(call_shape(where, batch, n, n), tree, MaskedRows::kZero, false, 0);
+  kernels::AttentionProblem<Scalar> pt =
+      detail::problem_of(call_shape(where, batch, n, n), tree, MaskedRows::kZero, false, 0);
   pt.q = {q, n * hq, hq, d_k_};
   pt.k = {kd, n * hk, hk, d_k_};
   pt.v = {vd, n * hv, hv, d_v_};
