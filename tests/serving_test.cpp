@@ -92,9 +92,11 @@ struct Twin {
 // The largest |cascade - plain| over `steps` steps of random subsets of a random fork tree, relative to
 // the largest |plain| output.
 template <typename Scalar>
-double cascade_error(Storage s, const sdpa::AttentionOptions<Scalar>& o, Index tokens, std::uint64_t seed) {
+double cascade_error(Storage s, const sdpa::AttentionOptions<Scalar>& o, Index tokens, std::uint64_t seed,
+                     sdpa::Kernel kernel = sdpa::Kernel::kAuto) {
   Rng rng(seed);
-  const auto m = make_module<Scalar>(rng);
+  auto m = make_module<Scalar>(rng);
+  m.set_kernel(kernel);
   Twin<Scalar> twin(m, s);
   const auto both = [&](const Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& x, const std::vector<std::int64_t>& ids) {
     (void)m.step(x, twin.cascade, ids, o);
@@ -176,6 +178,16 @@ TEST(Cascade, DoubleEqualsThePerSequenceStep) {
   o.sinks = {0.2, -0.5, 1.0, 0.0};
   EXPECT_LE(cascade_error<double>(Storage::kFloat64, o, 1, 3), 1e-12);
   EXPECT_LE(cascade_error<double>(Storage::kFloat64, o, 18, 4), 1e-12);
+}
+
+// Under the module's other kernels: the tiled kernel for every part, and the reference kernel.
+TEST(Cascade, EqualsThePerSequenceStepOnEveryKernel) {
+  sdpa::AttentionOptions<float> o;
+  o.alibi_slopes = sdpa::alibi_slopes<float>(4);
+  o.sinks = {0.2f, -0.5f, 1.0f, 0.0f};
+  o.window_left = 60;
+  for (sdpa::Kernel k : {sdpa::Kernel::kTiled, sdpa::Kernel::kReference})
+    EXPECT_LE(cascade_error<float>(Storage::kFloat32, o, 2, 5, k), 2e-6) << static_cast<int>(k);
 }
 
 }  // namespace serving_test
@@ -341,6 +353,37 @@ TEST(TreeStep, PagedSequencesAcceptTheirOwnPaths) {
   const Tensor3 next = random3<float>(rng, 2, 1, 48);
   const Tensor3 y1 = m.step(next, paged, {a, b}, o), y2 = m.step(next, ref, {a, b}, o);
   EXPECT_LE(max_abs(y1, 0, y2, 0, y1.size()), 2e-5);
+}
+
+// In double, and under the tiled and reference kernels: a chain and a wide tree against decoding each path.
+TEST(TreeStep, DoubleAndEveryKernel) {
+  Rng rng(70);
+  auto md = make_module<double>(rng);
+  const std::vector<Index> parents{-1, 0, -1, 1, 2, 3};
+  const Index n = static_cast<Index>(parents.size());
+  sdpa::AttentionOptions<double> o;
+  o.alibi_slopes = sdpa::alibi_slopes<double>(4);
+  o.sinks = {0.2, -0.5, 1.0, 0.0};
+  const auto prompt = random3<double>(rng, 1, 21, 48), x = random3<double>(rng, 1, n, 48);
+  for (sdpa::Kernel k : {sdpa::Kernel::kAuto, sdpa::Kernel::kTiled, sdpa::Kernel::kReference}) {
+    md.set_kernel(k);
+    sdpa::KVCache<double> cache(md, 1);
+    (void)md.step(prompt, cache, o);
+    const auto y = md.step_tree(x, cache, parents, o);
+    for (Index j = 0; j < n; ++j) {
+      sdpa::KVCache<double> ref(md, 1);
+      (void)md.step(prompt, ref, o);
+      Eigen::Tensor<double, 3, Eigen::RowMajor> last;
+      for (Index t : path_to(parents, j)) {
+        Eigen::Tensor<double, 3, Eigen::RowMajor> one(1, 1, 48);
+        std::copy_n(x.data() + t * 48, 48, one.data());
+        last = md.step(one, ref, o);
+      }
+      double d = 0;
+      for (Index c = 0; c < 48; ++c) d = std::max(d, std::fabs(y.data()[j * 48 + c] - last.data()[c]));
+      EXPECT_LE(d, 1e-12) << "draft " << j << ", kernel " << static_cast<int>(k);
+    }
+  }
 }
 
 // Refusals: a parent out of range or not before its child; a path that is not a chain of the tree; the
