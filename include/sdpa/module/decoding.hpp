@@ -26,6 +26,61 @@ SDPA_NAMESPACE_BEGIN
 
 namespace detail {
 
+// A PagedKVCache that a module of these sizes can step: the same d_model, kv_heads, d_k and d_v; entries
+// stored narrower than Scalar need a kernel other than kReference.
+template <typename Scalar>
+void check_paged_cache(const char* where, const PagedKVCache<Scalar>& cache, const std::array<Eigen::Index, 4>& sizes,
+                       Kernel kernel) {
+  const std::array<Eigen::Index, 4> has{cache.d_model(), cache.kv_heads(), cache.d_k(), cache.d_v()};
+  if (has != sizes)
+    throw_invalid(
+        where, "cache",
+        concat("a cache for d_model ", sizes[0], ", kv_heads ", sizes[1], ", d_k ", sizes[2], ", d_v ", sizes[3]),
+        concat("one for d_model ", has[0], ", kv_heads ", has[1], ", d_k ", has[2], ", d_v ", has[3]));
+  if (is_narrow<Scalar>(cache.storage()) && kernel == Kernel::kReference)
+    throw_invalid(where, "the module's kernel (set_kernel)",
+                  concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage())), "kReference");
+}
+
+// Each of `ids` names a sequence of the cache, and no two the same one.
+template <typename Scalar>
+void check_sequence_ids(const char* where, const PagedKVCache<Scalar>& cache, const std::vector<std::int64_t>& ids) {
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (!cache.contains(ids[i]))
+      throw_invalid(where, concat("sequence_ids[", i, "]"), "the id of a sequence of the cache", ids[i]);
+    for (std::size_t j = 0; j < i; ++j)
+      if (ids[j] == ids[i])
+        throw_invalid(where, concat("sequence_ids[", i, "]"), concat("distinct from sequence_ids[", j, "]"), ids[i]);
+  }
+}
+
+// The first option set that a step of sequences at different lengths (a PagedKVCache step, a draft tree)
+// has no form for, or null.
+template <typename Scalar>
+const char* unsupported_ragged_option(const AttentionOptions<Scalar>& o) noexcept {
+  return o.attention_mask != nullptr      ? "attention_mask"
+         : o.attention_weights != nullptr ? "attention_weights"
+         : o.attention_bias != nullptr    ? "attention_bias"
+         : !o.key_lengths.empty()         ? "key_lengths"
+         : o.probabilities != nullptr     ? "probabilities"
+         : o.log_sum_exp != nullptr       ? "log_sum_exp"
+         : o.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
+         : !o.rotary_positions.empty()    ? "rotary_positions"
+                                          : nullptr;
+}
+
+// The queries, keys and values (targets) of `rows` new tokens, t per sequence: few-row projections (each
+// weight row read once for all rows, and the bits a single sequence's step gets) for up to
+// kernels::kFewRows tokens per sequence, the GEMM beyond.
+template <typename Scalar>
+void project_new_rows(const Scalar* x, Eigen::Index rows, Eigen::Index t, Eigen::Index d_model,
+                      const kernels::ProjectionTarget<Scalar> (&targets)[3], const Eigen::ThreadPoolDevice* device) {
+  if (t <= kernels::kFewRows)
+    kernels::project_few_rows<Scalar>(x, rows, d_model, d_model, targets, 3, device);
+  else
+    kernels::project_rows<Scalar>(x, rows, d_model, d_model, targets, 3, device);
+}
+
 // The ragged problem's per-sequence tables (its block tables, key lengths, query offsets and key bases, and
 // each sequence's first held position), which attend_cascade narrows to each sequence's own blocks.
 struct RaggedTables {
@@ -463,34 +518,11 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
                                                         const AttentionOptions<Scalar>& options, Scalar* out) const {
   using Target = kernels::ProjectionTarget<Scalar>;
   const char* where = "ScaledDotProductAttention::step (PagedKVCache)";
-  if (cache.d_model() != d_model_ || cache.kv_heads() != kv_heads_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
-    detail::throw_invalid(where, "cache",
-                          detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_, ", d_v ", d_v_),
-                          detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ",
-                                         cache.d_k(), ", d_v ", cache.d_v()));
-  if (is_narrow<Scalar>(cache.storage()) && kernel_ == Kernel::kReference)
-    detail::throw_invalid(where, "the module's kernel (set_kernel)",
-                          detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage())), "kReference");
+  detail::check_paged_cache(where, cache, {d_model_, kv_heads_, d_k_, d_v_}, kernel_);
   const Index n_seq = static_cast<Index>(ids.size());
   check_decoding_input(x, "x", n_seq, where);
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (!cache.contains(ids[i]))
-      detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), "the id of a sequence of the cache", ids[i]);
-    for (std::size_t j = 0; j < i; ++j)
-      if (ids[j] == ids[i])
-        detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), detail::concat("distinct from sequence_ids[", j, "]"),
-                              ids[i]);
-  }
-  const char* unsupported = options.attention_mask != nullptr      ? "attention_mask"
-                            : options.attention_weights != nullptr ? "attention_weights"
-                            : options.attention_bias != nullptr    ? "attention_bias"
-                            : !options.key_lengths.empty()         ? "key_lengths"
-                            : options.probabilities != nullptr     ? "probabilities"
-                            : options.log_sum_exp != nullptr       ? "log_sum_exp"
-                            : options.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
-                            : !options.rotary_positions.empty()    ? "rotary_positions"
-                                                                   : nullptr;
-  if (unsupported != nullptr)
+  detail::check_sequence_ids(where, cache, ids);
+  if (const char* unsupported = detail::unsupported_ragged_option(options))
     detail::throw_invalid(where, unsupported, "unset for a PagedKVCache step (its sequences are ragged)", "set");
   const Index t = x.dims()[1], hq = h_ * d_k_, hk = kv_heads_ * d_k_, hv = kv_heads_ * d_v_, ha = h_ * d_v_;
   // The keys of the step's longest sequence, after the append.
@@ -502,18 +534,14 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
   // Room for the new entries (refused before anything changes).
   cache.make_room(ids, t, where);
 
-  // Queries, keys and values of every new token: few-row projections (each weight row read once for all
-  // rows, and the bits a single sequence's step gets) for up to kernels::kFewRows tokens per sequence.
+  // Queries, keys and values of every new token.
   const Index rows = n_seq * t;
   detail::StepScratch<Scalar>& scratch = cache.step_scratch();
   Scalar* q = scratch.queries.reset_at_least(static_cast<std::size_t>(rows * hq));
   Scalar* sk = scratch.stage.reset_at_least(static_cast<std::size_t>(rows * (hk + hv)));
   Scalar* sv = sk + rows * hk;
   const Target targets[3] = {fc_q_.target(q, hq), fc_k_.target(sk, hk), fc_v_.target(sv, hv)};
-  if (t <= kernels::kFewRows)
-    kernels::project_few_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
-  else
-    kernels::project_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
+  detail::project_new_rows(x.data(), rows, t, d_model_, targets, options.device);
   // Each sequence's new rows at its own positions, then into its blocks.
   std::vector<const Index*> tables(static_cast<std::size_t>(n_seq));
   std::vector<Index> lengths(static_cast<std::size_t>(n_seq)), offsets(static_cast<std::size_t>(n_seq)),
@@ -570,10 +598,6 @@ void ScaledDotProductAttention<Scalar>::paged_step_impl(const View& x, PagedKVCa
     for (std::int64_t id : ids) cache.drop_hidden(id, options.window_left);
 }
 
-SDPA_NAMESPACE_END
-
-SDPA_NAMESPACE_BEGIN
-
 template <typename Scalar>
 template <typename X>
 auto ScaledDotProductAttention<Scalar>::step_tree(const X& x, KVCache<Scalar>& cache, const std::vector<Index>& parents,
@@ -618,29 +642,13 @@ void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cac
   constexpr bool kPaged = std::is_same<Cache, PagedKVCache<Scalar>>::value;
   const char* where =
       kPaged ? "ScaledDotProductAttention::step_tree (PagedKVCache)" : "ScaledDotProductAttention::step_tree";
-  if (cache.d_model() != d_model_ || cache.kv_heads() != kv_heads_ || cache.d_k() != d_k_ || cache.d_v() != d_v_)
-    detail::throw_invalid(
-        where, "cache",
-        detail::concat("a cache for d_model ", d_model_, ", kv_heads ", kv_heads_, ", d_k ", d_k_, ", d_v ", d_v_),
-        detail::concat("one for d_model ", cache.d_model(), ", kv_heads ", cache.kv_heads(), ", d_k ", cache.d_k(),
-                       ", d_v ", cache.d_v()));
-  if (is_narrow<Scalar>(cache.storage()) && kernel_ == Kernel::kReference)
-    detail::throw_invalid(where, "the module's kernel (set_kernel)",
-                          detail::concat("kAuto or kTiled for a cache stored as ", storage_name(cache.storage())),
-                          "kReference");
   Index batch = 0;
   if constexpr (kPaged) {
+    detail::check_paged_cache(where, cache, {d_model_, kv_heads_, d_k_, d_v_}, kernel_);
     batch = static_cast<Index>(ids->size());
-    for (std::size_t i = 0; i < ids->size(); ++i) {
-      if (!cache.contains((*ids)[i]))
-        detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"), "the id of a sequence of the cache",
-                              (*ids)[i]);
-      for (std::size_t j = 0; j < i; ++j)
-        if ((*ids)[j] == (*ids)[i])
-          detail::throw_invalid(where, detail::concat("sequence_ids[", i, "]"),
-                                detail::concat("distinct from sequence_ids[", j, "]"), (*ids)[i]);
-    }
+    detail::check_sequence_ids(where, cache, *ids);
   } else {
+    check_cache(cache, where);
     batch = cache.batch();
   }
   check_decoding_input(x, "x", batch, where);
@@ -649,16 +657,8 @@ void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cac
     detail::throw_invalid(where, "parents", detail::concat(n, " entries (one per draft token: x dimension 1)"),
                           parents.size());
   const std::vector<Index> depth = detail::draft_depths(where, parents);
-  const char* unsupported = options.attention_mask != nullptr      ? "attention_mask"
-                            : options.attention_weights != nullptr ? "attention_weights"
-                            : options.attention_bias != nullptr    ? "attention_bias"
-                            : !options.key_lengths.empty()         ? "key_lengths"
-                            : options.probabilities != nullptr     ? "probabilities"
-                            : options.log_sum_exp != nullptr       ? "log_sum_exp"
-                            : options.packed()                     ? "cu_seqlens_q / cu_seqlens_k"
-                            : !options.rotary_positions.empty()    ? "rotary_positions"
-                            : options.program != nullptr           ? "program"
-                                                                   : nullptr;
+  const char* unsupported = detail::unsupported_ragged_option(options);
+  if (unsupported == nullptr && options.program != nullptr) unsupported = "program";
   if (unsupported != nullptr) detail::throw_invalid(where, unsupported, "unset for a draft tree step", "set");
   if (training_ && dropout_ > Scalar(0))
     detail::throw_invalid(where, "the module's mode", "eval() or dropout 0 (a draft tree is verified without dropout)",
@@ -696,10 +696,7 @@ void ScaledDotProductAttention<Scalar>::tree_step_impl(const View& x, Cache& cac
   Scalar* sk = scratch.stage.reset_at_least(static_cast<std::size_t>(rows * (hk + hv)));
   Scalar* sv = sk + rows * hk;
   const Target targets[3] = {fc_q_.target(q, hq), fc_k_.target(sk, hk), fc_v_.target(sv, hv)};
-  if (n <= kernels::kFewRows)
-    kernels::project_few_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
-  else
-    kernels::project_rows<Scalar>(x.data(), rows, d_model_, d_model_, targets, 3, options.device);
+  detail::project_new_rows(x.data(), rows, n, d_model_, targets, options.device);
   for (Index b = 0; b < batch; ++b) {
     for (Index j = 0; j < n; ++j) {
       const Index r = b * n + j, pos = positions[static_cast<std::size_t>(b)] + depth[static_cast<std::size_t>(j)] - 1;
